@@ -1,0 +1,1 @@
+"""The actor runtime: mailboxes, actors, supervisors, timers and clocks."""

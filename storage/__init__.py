@@ -1,0 +1,1 @@
+"""LMDB storage with persist-before-acknowledge group commit."""

@@ -1,0 +1,34 @@
+"""The wheel carries exactly the `stepd` package tree (DESIGN.md "Layout").
+
+actors/, storage/ and transport/ sit at the repository root but must install as
+`stepd.actors`, `stepd.storage` and `stepd.transport`: a top-level `actors`
+package in site-packages would collide with anything else called that.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_only_the_stepd_tree(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path)],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("stepd-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/", 1)[0] for name in names}
+    dist_info = {t for t in tops if t.endswith(".dist-info")}
+    assert len(dist_info) == 1
+    assert tops - dist_info == {"stepd"}, f"unexpected top-level entries: {sorted(tops)}"
+    for sub in ("actors", "storage", "transport", "engine"):
+        assert f"stepd/{sub}/__init__.py" in names, f"stepd/{sub} is missing from the wheel"
+    assert not any("/tests/" in n or n.startswith("tests/") for n in names)
+    assert "stepd/py.typed" in names

@@ -1,0 +1,1 @@
+"""Transports: one protocol handler, with HTTP, WebSocket and in-process adapters."""
