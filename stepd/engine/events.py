@@ -1,0 +1,247 @@
+"""What goes into the run machine (events) and what comes out (effects).
+
+Events are frozen, slotted dataclasses and are never subclassed (STYLE.md rule
+3). The machine turns one event into a `Transition`: the journal entries to
+append and the effects for the actor shell to perform *after* it has persisted
+the machine's new record (persist, then acknowledge, then act: DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOffered:
+    """The registry hands a queued slot to a worker under a new lease."""
+
+    step_id: str
+    item_index: int | None
+    lease_id: str
+    worker_id: str
+    worker_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptStarted:
+    """The worker said `started` for the lease holding this fence."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptCompleted:
+    step_id: str
+    item_index: int | None
+    fence: int
+    output: Any = None
+    state_patch: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None  # {"input_tokens", "output_tokens", "cost_usd"} priced
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFailed:
+    step_id: str
+    item_index: int | None
+    fence: int
+    error_class: str
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLost:
+    """The lease expired and its recovery window passed (PROTOCOL.md "Expiry and recovery")."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+    started: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptOrphaned:
+    """The lease expired; the attempt waits out the recovery window (journal only)."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRevived:
+    """A late call arrived inside the recovery window (journal only)."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptUnservable:
+    """The worker does not hold this definition, version or body; hand the slot back."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+    worker_id: str
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SignalReceived:
+    name: str
+    payload: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time has reached (at least) the machine's `next_deadline()`; fire what is due."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildFinished:
+    child_run_id: str
+    status: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    message: str = "cancelled"
+
+
+Event = (
+    AttemptOffered
+    | AttemptStarted
+    | AttemptCompleted
+    | AttemptFailed
+    | AttemptLost
+    | AttemptOrphaned
+    | AttemptRevived
+    | AttemptUnservable
+    | SignalReceived
+    | Tick
+    | ChildFinished
+    | Cancel
+)
+
+# --------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptSpec:
+    """Everything the registry needs to offer one slot to a worker."""
+
+    run_id: str
+    workflow: str
+    version: str | None
+    definition_hash: str
+    step_id: str
+    body: str
+    item_index: int | None
+    attempt: int
+    delivery: str
+    timeout_ms: int | None
+    idempotency_key: str
+    excluded_workers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Runnable:
+    """These slots are queued: offer each to exactly one worker."""
+
+    attempts: tuple[AttemptSpec, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """These queued slots are no longer runnable (the run ended or the step moved on)."""
+
+    run_id: str
+    slots: tuple[tuple[str, int | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EndLeases:
+    """These live leases are over: `reason` is the 409 reason later calls get.
+
+    The shell tells their holders (the WebSocket `cancel` frame) and stops the
+    lease actors; the durable checks need nothing more, since the run record's
+    fences and status already answer later calls.
+    """
+
+    lease_ids: tuple[str, ...]
+    reason: str  # "fenced" | "run_terminal"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    run_id: str
+    input: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StartChildren:
+    """Create these child runs in the same transaction as the parent's transition.
+
+    `definition` is the child workflow's definition, already resolved by the
+    machine's catalog lookup, so creating the children cannot fail for want of it.
+    """
+
+    parent_run_id: str
+    step_id: str
+    definition: Any  # stepd.engine.definition.Definition (Any: no import cycle)
+    children: tuple[ChildSpec, ...]
+    correlation: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelChildren:
+    run_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NotifyParent:
+    """This run is terminal and its parent waits on it."""
+
+    parent_run_id: str
+    child_run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnded:
+    run_id: str
+    status: str
+
+
+Effect = (
+    Runnable
+    | Withdraw
+    | EndLeases
+    | StartChildren
+    | CancelChildren
+    | NotifyParent
+    | RunEnded
+)
+
+
+@dataclass(slots=True)
+class Transition:
+    """The output of one event: journal entries to append and effects to perform.
+
+    `lease` is set by `AttemptOffered`: the lease payload (PROTOCOL.md "Lease"
+    minus what the registry adds). `refused` is set when a signal was refused
+    over budget: `(reason, budget)`; the record then changed only by the
+    `signal_rejected` journal entry.
+    """
+
+    journal: list[dict[str, Any]] = field(default_factory=list)
+    effects: list[Effect] = field(default_factory=list)
+    lease: dict[str, Any] | None = None
+    refused: tuple[str, str] | None = None

@@ -1,0 +1,61 @@
+"""Run status and the fixed vocabularies the run status view and journal use.
+
+WORKFLOWS.md "Run status" is the contract: seven statuses, and a closed list of
+error reasons. They are enums stored by `.value` (STYLE.md rule 3), so a record
+read back from LMDB and the wire form agree by construction.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RunStatus(enum.Enum):
+    RUNNING = "running"
+    WAITING = "waiting"
+    SLEEPING = "sleeping"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT}
+)
+TERMINAL_STATUSES = _TERMINAL
+
+
+class ErrorReason(enum.Enum):
+    """`error.reason` of a run that did not complete (WORKFLOWS.md "Run status")."""
+
+    BUDGET_EXCEEDED = "budget_exceeded"
+    STEP_FAILED = "step_failed"
+    LEASE_LOST = "lease_lost"
+    WAIT_TIMEOUT = "wait_timeout"
+    TEMPLATE = "template"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+
+
+class SlotPhase(enum.Enum):
+    """Where one attempt slot (a task step, or one item of a for_each) stands.
+
+    `queued`: runnable, waiting to be offered to a worker. `offered`: a lease
+    exists, `started` has not arrived. `started`: the body is running.
+    `backoff`: the last attempt failed and the next waits for its backoff timer.
+    `done`: the slot's output is in.
+    """
+
+    QUEUED = "queued"
+    OFFERED = "offered"
+    STARTED = "started"
+    BACKOFF = "backoff"
+    DONE = "done"
+
+
+LIVE_PHASES = frozenset({SlotPhase.OFFERED, SlotPhase.STARTED})
