@@ -568,10 +568,9 @@ class RunMachine:
             for i, sig in enumerate(r.signals):
                 if sig["name"] == step.event:
                     del r.signals[i]
-                    self._journal(tr, now, "signal_consumed", name=step.event, step_id=step.id,
-                                  received_at=sig["at"])
                     return self._finish_step(step, sig["payload"], tr, now,
-                                             into_value=sig["payload"])
+                                             into_value=sig["payload"],
+                                             note={"signal": step.event, "received_at": sig["at"]})
             f.due_at = None if step.timeout_ms is None else now + step.timeout_ms
             r.status = RunStatus.WAITING
             return None
@@ -686,6 +685,7 @@ class RunMachine:
         into_value: Any = MISSING,
         cost_delta: int = 0,
         jump: str | None = None,
+        note: dict[str, Any] | None = None,
     ) -> int | None:
         """Record a step's completion, check budgets, and pick the next step.
 
@@ -695,7 +695,7 @@ class RunMachine:
         r = self.record
         if not isinstance(step, TaskStep):
             # Tasks journal their completion with the attempt; the other kinds here.
-            self._journal(tr, now, "step_completed", step_id=step.id)
+            self._journal(tr, now, "step_completed", step_id=step.id, **(note or {}))
         into = getattr(step, "into", None)
         new_state = r.state
         if patch:
