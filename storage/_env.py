@@ -1,0 +1,262 @@
+"""The LMDB environment: opening it, its tables, its schema, and who may touch it.
+
+One environment per data directory, one named sub-database per table
+(:data:`TABLES` plus the ``extra_tables`` given at open, e.g. the ``idx_*``
+indexes later issues add). The ``meta`` table holds the schema version,
+checked on open.
+
+Rules enforced here, because LMDB states them and py-lmdb does not (all) check
+them:
+
+* never open the same environment twice in one process (closing the second
+  handle would drop the first one's fcntl locks): :class:`OpenRegistry`,
+  by real path (py-lmdb 3.0 also refuses by file identity; both map to
+  :class:`AlreadyOpen`);
+* never use an environment after ``fork()``: the pid is recorded at open and
+  compared on every operation (py-lmdb does *not* check this);
+* ``set_mapsize`` only while no transaction is active in this process:
+  :class:`Gate`, a small readers/resizer lock that read transactions hold for
+  their (short) lifetime and the writer takes exclusively to resize.
+
+The environment is opened with LMDB's durable defaults (``sync=True``,
+``metasync=True``, ``writemap=False``, ``map_async=False``); only ``sync`` is
+configurable, for benchmark comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import lmdb
+
+from ._codec import decode, encode
+from ._errors import AlreadyOpen, SchemaMismatch, StorageFull
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "TABLES",
+    "Gate",
+    "OpenEnv",
+    "OpenRegistry",
+    "open_env",
+]
+
+#: The built-in tables (named sub-databases).
+TABLES: tuple[str, ...] = (
+    "runs",
+    "journal",
+    "leases",
+    "definitions",
+    "dispatch_keys",
+    "signals",
+    "timers",
+    "audit",
+    "workers",
+    "meta",
+)
+
+#: The layout version this code reads and writes (``meta[b"schema_version"]``).
+SCHEMA_VERSION = 1
+SCHEMA_KEY = b"schema_version"
+
+_TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def check_tables(extra_tables: Iterable[str]) -> tuple[str, ...]:
+    """Return the full table list, validating the extra names.
+
+    Raises:
+        ValueError: a name is malformed or duplicated.
+    """
+    names = list(TABLES)
+    for name in extra_tables:
+        if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
+            raise ValueError(
+                f"bad table name {name!r}: use lowercase letters, digits and '_' "
+                "(starting with a letter, at most 64 characters)"
+            )
+        if name in names:
+            raise ValueError(f"duplicate table name {name!r}")
+        names.append(name)
+    return tuple(names)
+
+
+class OpenRegistry:
+    """The set of data directories open in this process (by real path)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._paths: set[str] = set()
+
+    def claim(self, path: str) -> None:
+        """Record ``path`` as open.
+
+        Raises:
+            AlreadyOpen: it already is.
+        """
+        with self._lock:
+            if path in self._paths:
+                raise AlreadyOpen(f"storage at {path!r} is already open in this process")
+            self._paths.add(path)
+
+    def release(self, path: str) -> None:
+        with self._lock:
+            self._paths.discard(path)
+
+
+REGISTRY = OpenRegistry()
+
+
+class Gate:
+    """Shared/exclusive lock: read transactions vs. ``set_mapsize`` and close.
+
+    Readers hold it shared for the microseconds of their read transaction;
+    the writer holds it exclusive while resizing the map (with its own write
+    transaction already aborted) and the storage while closing. Exclusive
+    waiters have priority, so a stream of readers cannot starve a resize;
+    a thread that already holds it shared may re-enter (a read inside a read
+    function) without waiting, which would otherwise deadlock behind a
+    waiting resize.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._exclusive = False
+        self._exclusive_waiting = 0
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        depth: int = getattr(self._local, "depth", 0)
+        if depth:  # re-entry: this thread already keeps the resizer out
+            self._local.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._local.depth = depth
+            return
+        with self._cond:
+            while self._exclusive or self._exclusive_waiting:
+                self._cond.wait()
+            self._readers += 1
+        self._local.depth = 1
+        try:
+            yield
+        finally:
+            self._local.depth = 0
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0 and self._exclusive_waiting:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._exclusive_waiting += 1
+            try:
+                while self._exclusive or self._readers:
+                    self._cond.wait()
+            finally:
+                self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+@dataclass(frozen=True, slots=True)
+class OpenEnv:
+    """An opened environment and the handles of its tables."""
+
+    env: lmdb.Environment
+    dbs: dict[str, lmdb._Database]
+    path: str
+
+
+def _is_already_open(exc: lmdb.Error) -> bool:
+    return "already open in this process" in str(exc)
+
+
+def open_env(
+    path: str,
+    *,
+    tables: tuple[str, ...],
+    map_size: int,
+    max_map_size: int,
+    sync: bool,
+) -> OpenEnv:
+    """Open (creating if needed) the environment at ``path``; blocking.
+
+    Creates the tables and writes the schema version in one synced write
+    transaction, growing the map if even that does not fit. Also clears stale
+    reader slots left by killed processes (``reader_check``).
+
+    Raises:
+        AlreadyOpen: py-lmdb reports the files already open in this process.
+        SchemaMismatch: the stored schema version is not :data:`SCHEMA_VERSION`.
+        StorageFull: creating the tables does not fit in ``max_map_size``.
+        lmdb.Error: LMDB could not open the directory.
+    """
+    os.makedirs(path, exist_ok=True)
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size,
+            max_dbs=len(tables) + 8,
+            subdir=True,
+            sync=sync,
+            metasync=True,
+            writemap=False,  # nested transactions need it off; it also guards against stray writes
+            map_async=False,
+            readahead=False,  # random access over a large map: do not pollute the page cache
+            max_readers=126,
+        )
+    except lmdb.Error as exc:
+        if _is_already_open(exc):
+            raise AlreadyOpen(f"storage at {path!r} is already open in this process") from exc
+        raise
+    try:
+        env.reader_check()
+        while True:
+            try:
+                dbs = _create_tables(env, tables)
+                break
+            except lmdb.MapFullError as exc:
+                current = env.info()["map_size"]
+                if current >= max_map_size:
+                    raise StorageFull(
+                        f"cannot create the tables within max_map_size={max_map_size}"
+                    ) from exc
+                env.set_mapsize(min(current * 2, max_map_size))
+    except BaseException:
+        env.close()
+        raise
+    return OpenEnv(env=env, dbs=dbs, path=path)
+
+
+def _create_tables(env: lmdb.Environment, tables: tuple[str, ...]) -> dict[str, lmdb._Database]:
+    with env.begin(write=True) as txn:
+        dbs = {name: env.open_db(name.encode(), txn=txn, create=True) for name in tables}
+        raw = txn.get(SCHEMA_KEY, db=dbs["meta"])
+        if raw is None:
+            txn.put(SCHEMA_KEY, encode(SCHEMA_VERSION), db=dbs["meta"])
+        else:
+            stored = decode(raw)
+            if stored != SCHEMA_VERSION:
+                newer = isinstance(stored, int) and stored > SCHEMA_VERSION
+                raise SchemaMismatch(
+                    f"storage at {env.path()!r} has schema version {stored!r}, this code "
+                    f"supports {SCHEMA_VERSION}"
+                    + (": it was written by a newer stepd; upgrade stepd to open it"
+                       if newer else ": no migration exists from that version")
+                )
+    return dbs
