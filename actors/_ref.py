@@ -1,0 +1,208 @@
+"""Addresses: registry cells and the `ActorRef` handles that point at them.
+
+A `Cell` is a registry entry for one path under one supervisor. It outlives
+incarnations: when the supervisor restarts the child, the new incarnation is
+installed in the same cell, so a ref resolves to the *current* incarnation
+(one attribute read on the hot path). When the child is removed for good, the
+cell is retired and unregistered; a ref holding a retired cell looks its path
+up again, so it also reaches an actor started later at the same path (a run
+re-activated after passivation, say). If nothing runs there, sends fail fast
+with `ActorDead`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._errors import ActorDead
+from ._mailbox import Ask
+from ._messages import _VERDICTS, check_message
+from ._stats import ActorStatistics
+
+if TYPE_CHECKING:
+    from ._actor import Runtime
+
+__all__ = ["ActorRef", "Cell"]
+
+_SEND_FAILED = (anyio.BrokenResourceError, anyio.ClosedResourceError)
+
+
+class Cell:
+    """The registry entry for one path: the current incarnation and its history."""
+
+    __slots__ = ("current", "kind", "path", "registry", "restarts", "retired")
+
+    def __init__(self, path: str, registry: dict[str, Cell]) -> None:
+        self.path = path
+        self.registry = registry
+        self.current: Runtime | None = None
+        self.kind = "?"
+        self.restarts = 0
+        self.retired = False
+
+    def ref(self) -> ActorRef:
+        """Return a ref of the current actor's ref type (`SupervisorRef` for supervisors)."""
+        rt = self.current
+        if rt is None:
+            return ActorRef(self)
+        return rt.actor._actor_ref_type(self)
+
+    def register(self) -> None:
+        self.registry[self.path] = self
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.registry.get(self.path) is self:
+            del self.registry[self.path]
+
+    def statistics(self) -> ActorStatistics:
+        rt = self.current
+        if rt is None:
+            return ActorStatistics(self.path, self.kind, "dead", self.restarts, 0, 0, 0, None)
+        return ActorStatistics(
+            path=self.path,
+            kind=self.kind,
+            state=rt.state,
+            restarts=self.restarts,
+            mailbox_depth=rt.mailbox.depth() if not rt.closed else 0,
+            mailbox_size=rt.mailbox.size,
+            timers=len(rt.timers),
+            started_at=rt.started_at,
+        )
+
+
+class ActorRef:
+    """A handle to the actor at a path: `tell`, `tell_nowait`, `ask`.
+
+    Refs are cheap, hashable and compare equal by path (within one system). A
+    ref always reaches the current incarnation at its path: restarts are
+    invisible to holders of the ref, except that asks queued to or in flight in
+    the incarnation that died fail with `ActorDead`.
+    """
+
+    __slots__ = ("_cell", "path")
+
+    def __init__(self, cell: Cell) -> None:
+        self._cell = cell
+        self.path = cell.path
+
+    def _runtime(self) -> Runtime:
+        cell = self._cell
+        if cell.retired:
+            found = cell.registry.get(self.path)
+            if found is None:
+                raise ActorDead(self.path)
+            self._cell = cell = found
+        rt = cell.current
+        if rt is None or not rt.accepting:
+            raise ActorDead(self.path, rt.reason if rt is not None else None)
+        return rt
+
+    @property
+    def alive(self) -> bool:
+        """Whether an incarnation at this path currently accepts messages."""
+        try:
+            self._runtime()
+        except ActorDead:
+            return False
+        return True
+
+    async def tell(self, message: object) -> None:
+        """Put `message` in the actor's mailbox, waiting while the mailbox is full.
+
+        Returns once the message is queued, not when it is handled. A message
+        queued to an incarnation that then dies is dropped.
+
+        Raises:
+            MutableMessageError: `message` is not of an immutable type.
+            ActorDead: no incarnation accepts messages at this path (or it died
+                while this call waited for room).
+        """
+        if _VERDICTS.get(type(message)) is not True:
+            check_message(message)
+        rt = self._runtime()
+        try:
+            await rt.mailbox.tx.send(message)
+        except _SEND_FAILED:
+            raise ActorDead(self.path, rt.reason) from None
+
+    def tell_nowait(self, message: object) -> None:
+        """Put `message` in the actor's mailbox if there is room right now.
+
+        Raises:
+            WouldBlock: the mailbox is full.
+            MutableMessageError: `message` is not of an immutable type.
+            ActorDead: no incarnation accepts messages at this path.
+        """
+        if _VERDICTS.get(type(message)) is not True:
+            check_message(message)
+        rt = self._runtime()
+        try:
+            rt.mailbox.tx.send_nowait(message)
+        except _SEND_FAILED:
+            raise ActorDead(self.path, rt.reason) from None
+
+    async def ask(self, message: object, *, timeout: float | None = None) -> Any:
+        """Send `message` and wait for the actor's reply (what `receive` returned).
+
+        Args:
+            message: an immutable message.
+            timeout: seconds (of the event loop's clock) to wait for room in
+                the mailbox and for the reply together; `None` waits as long
+                as the actor lives. A timed-out message may still be handled;
+                its reply is then dropped.
+
+        Returns:
+            The value the actor's `receive` returned for this message.
+
+        Raises:
+            TimeoutError: the reply did not come within `timeout`.
+            ActorDead: the actor is not running, or stopped or died before
+                replying (``__cause__`` is its crash exception, if any).
+            MutableMessageError: `message` is not of an immutable type.
+            Exception: whatever the handler raised, if its type is listed in
+                the actor's `reply_errors` (the actor lives on).
+        """
+        if _VERDICTS.get(type(message)) is not True:
+            check_message(message)
+        rt = self._runtime()
+        request = Ask(message)
+        if timeout is None:
+            await self._send_ask(rt, request)
+            return await request.wait()
+        with anyio.fail_after(timeout):
+            await self._send_ask(rt, request)
+            return await request.wait()
+
+    async def _send_ask(self, rt: Runtime, request: Ask) -> None:
+        # No checkpoint when there is room: the caller blocks on the reply
+        # right after, which is the ask's checkpoint. That saves an event loop
+        # turn per ask.
+        tx = rt.mailbox.tx
+        try:
+            try:
+                tx.send_nowait(request)
+            except anyio.WouldBlock:
+                await tx.send(request)
+        except _SEND_FAILED:
+            raise ActorDead(self.path, rt.reason) from None
+
+    def statistics(self) -> ActorStatistics:
+        """Return a snapshot of the actor at this path (see `ActorStatistics`)."""
+        cell = self._cell
+        if cell.retired:
+            cell = cell.registry.get(self.path, cell)
+        return cell.statistics()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ActorRef):
+            return NotImplemented
+        return self.path == other.path and self._cell.registry is other._cell.registry
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.path}>"

@@ -1,0 +1,194 @@
+"""Micro-benchmark of the generic actor runtime (stepd.actors).
+
+Run it as ``python -m bench.actors`` (``--quick`` for a smoke run). It prints,
+for asyncio and for trio:
+
+* asks/s: sequential request/reply round trips from one caller to one actor
+  (the per-ask runtime overhead is 1/rate: one mailbox send, one handler
+  call, one reply wake-up);
+* asks/s with a timeout: the same, each ask under a cancel scope;
+* tells/s: one producer filling a bounded mailbox as fast as the actor drains
+  it (backpressure included), measured until the actor has handled them all;
+* concurrent asks/s: 100 callers asking one actor at once;
+* dynamic child start+stop/s: `start_child` (with the `on_start` handshake)
+  then `stop_child` (graceful, with `on_stop`), one after the other;
+* timer fire+deliver/s: 1,000 actors, each with a timer armed in on_start,
+  all fired by one virtual clock advance and handled (arming not timed).
+
+Numbers are wall time on this machine, best of a few rounds; they are for
+comparing runtime changes, not a target by themselves (DESIGN.md: targets are
+measured by bench/, never by timed tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from stepd.actors import Actor, ActorSystem, ChildSpec, ManualClock, Supervisor
+
+
+class Echo(Actor):
+    async def receive(self, message: Any) -> Any:
+        return message
+
+
+class Sink(Actor):
+    mailbox_size = 256
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.target = -1
+        self.reached = anyio.Event()
+
+    async def receive(self, message: Any) -> Any:
+        self.count += 1
+        if self.count == self.target:
+            self.reached.set()
+        return None
+
+
+class Idle(Actor):
+    async def receive(self, message: Any) -> Any:
+        return None
+
+
+class TimerActor(Actor):
+    fired = 0
+
+    async def on_start(self) -> None:
+        self.arm_timer("t", self.clock.now() + 1.0, "fire")
+
+    async def receive(self, message: Any) -> Any:
+        TimerActor.fired += 1
+        return None
+
+
+async def _best(rounds: int, fn: Callable[[], Awaitable[float]]) -> float:
+    return max([await fn() for _ in range(rounds)])
+
+
+async def bench_asks(system: ActorSystem, n: int) -> float:
+    ref = await system.spawn(ChildSpec("echo", Echo))
+    ask = ref.ask
+    for _ in range(200):  # warm up
+        await ask(1)
+    t0 = time.perf_counter()
+    for i in range(n):
+        await ask(i)
+    rate = n / (time.perf_counter() - t0)
+    await system.stop("/echo")
+    return rate
+
+
+async def bench_asks_timeout(system: ActorSystem, n: int) -> float:
+    ref = await system.spawn(ChildSpec("echo_t", Echo))
+    ask = ref.ask
+    t0 = time.perf_counter()
+    for i in range(n):
+        await ask(i, timeout=10.0)
+    rate = n / (time.perf_counter() - t0)
+    await system.stop("/echo_t")
+    return rate
+
+
+async def bench_concurrent_asks(system: ActorSystem, n: int, callers: int = 100) -> float:
+    ref = await system.spawn(ChildSpec("echo_c", Echo))
+    per = n // callers
+
+    async def caller() -> None:
+        for i in range(per):
+            await ref.ask(i)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(callers):
+            tg.start_soon(caller)
+    rate = per * callers / (time.perf_counter() - t0)
+    await system.stop("/echo_c")
+    return rate
+
+
+async def bench_tells(system: ActorSystem, n: int) -> float:
+    sink = Sink()
+    sink.target = n
+    ref = await system.spawn(ChildSpec("sink", lambda: sink))
+    tell = ref.tell
+    t0 = time.perf_counter()
+    for i in range(n):
+        await tell(i)
+    await sink.reached.wait()
+    rate = n / (time.perf_counter() - t0)
+    await system.stop("/sink")
+    return rate
+
+
+async def bench_children(system: ActorSystem, n: int) -> float:
+    runs = await system.root.start_child(ChildSpec("runs", Supervisor))
+    sup = system.supervisor("/runs")
+    t0 = time.perf_counter()
+    for i in range(n):
+        child_id = f"r_{i}"
+        await sup.start_child(ChildSpec(child_id, Idle))
+        await sup.stop_child(child_id)
+    rate = n / (time.perf_counter() - t0)
+    await system.stop(runs.path)
+    return rate
+
+
+async def bench_timers(n: int) -> float:
+    clock = ManualClock()
+    async with ActorSystem(clock=clock) as system:
+        sup = await system.root.start_child(ChildSpec("timers", Supervisor))
+        timers = system.supervisor(sup.path)
+        for i in range(n):
+            await timers.start_child(ChildSpec(f"t{i}", TimerActor))
+        TimerActor.fired = 0
+        t0 = time.perf_counter()
+        clock.advance(1.0)
+        while TimerActor.fired < n:
+            await anyio.lowlevel.checkpoint()
+        return n / (time.perf_counter() - t0)
+
+
+async def run_backend(quick: bool) -> dict[str, float]:
+    scale = 10 if quick else 1
+    rounds = 1 if quick else 3
+    results: dict[str, float] = {}
+    async with ActorSystem() as system:
+        results["asks/s"] = await _best(rounds, lambda: bench_asks(system, 50_000 // scale))
+        results["asks/s (timeout)"] = await _best(
+            rounds, lambda: bench_asks_timeout(system, 50_000 // scale)
+        )
+        results["concurrent asks/s (100 callers)"] = await _best(
+            rounds, lambda: bench_concurrent_asks(system, 50_000 // scale)
+        )
+        results["tells/s"] = await _best(rounds, lambda: bench_tells(system, 100_000 // scale))
+        results["dynamic child start+stop/s"] = await _best(
+            rounds, lambda: bench_children(system, 10_000 // scale)
+        )
+    results["timer fire+deliver/s (1000 actors)"] = await _best(
+        rounds, lambda: bench_timers(1_000 // scale)
+    )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--backend", choices=["asyncio", "trio"], action="append")
+    args = parser.parse_args()
+    for backend in args.backend or ["asyncio", "trio"]:
+        results = anyio.run(run_backend, args.quick, backend=backend)
+        print(f"{backend}:")
+        for name, rate in results.items():
+            extra = f"  ({1e6 / rate:6.1f} us each)" if "ask" in name or "tell" in name else ""
+            print(f"  {name:34s} {rate:12,.0f}{extra}")
+
+
+if __name__ == "__main__":
+    main()
