@@ -12,7 +12,12 @@ The hierarchy is closed and documented here (STYLE.md rule 15)::
     |   +-- RunTerminal        ``run_terminal``
     |   +-- NotStarted         ``not_started``
     +-- IllegalTransition      an event a state machine's table does not allow in
-                               the current state; nothing was changed
+    |                          the current state; nothing was changed
+    +-- NotFound               an unknown run, lease or worker (HTTP 404)
+    +-- Unprocessable          a well-formed request the state does not allow, such as
+    |                          starting an unknown workflow (HTTP 422)
+    +-- Unavailable            the daemon cannot serve this now: shutting down, or an
+                               actor is being restarted (HTTP 503); retry
 
 Other modules add their own subclasses of `StepdError` (closed and broken
 channels); each keeps to one meaning so the wire reasons stay stable.
@@ -29,10 +34,13 @@ __all__ = [
     "Fenced",
     "IllegalTransition",
     "Invalid",
+    "NotFound",
     "NotStarted",
     "RunTerminal",
     "StepdError",
     "TemplateError",
+    "Unavailable",
+    "Unprocessable",
     "field_path",
 ]
 
@@ -204,3 +212,19 @@ class IllegalTransition(StepdError):
 
     Raised before anything changes (STYLE.md rule 2): the state is untouched.
     """
+
+
+class NotFound(StepdError):
+    """An unknown run, lease, worker or actor path (HTTP 404)."""
+
+
+class Unprocessable(StepdError):
+    """A well-formed request the current state does not allow (HTTP 422).
+
+    Example: starting a run of a workflow no worker has registered.
+    """
+
+
+class Unavailable(StepdError):
+    """The daemon cannot serve this call now (HTTP 503): shutting down, or the
+    actor that owns the target is being restarted. The caller retries."""

@@ -42,6 +42,7 @@ class AttemptCompleted:
     output: Any = None
     state_patch: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None  # {"input_tokens", "output_tokens", "cost_usd"} priced
+    spans: tuple[Any, ...] | list[Any] | None = None  # journaled with the completion
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,6 +334,7 @@ class RunMachine:
             tr, now, "step_completed", step_id=ev.step_id, item_index=ev.item_index,
             attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
             worker_id=slot.worker_id, usage=ev.usage or None,
+            spans=list(ev.spans) if ev.spans else None,
         )
         slot.phase = SlotPhase.DONE
         if isinstance(step, TaskStep):
@@ -842,7 +843,8 @@ class RunMachine:
 
     # ------------------------------------------------------------------ endings
 
-    def _template_failure(self, step: Step, exc: TemplateError, tr: Transition, now: int) -> None:
+    def _template_failure(self, step: Step, exc: TemplateError, tr: Transition, now: int) -> int | None:
+        """Fail the run with reason `template`; returns None (no next step) for `_enter`."""
         message = f"template path {exc.path!r}: {exc}"
         self._journal(tr, now, "step_failed", step_id=step.id, error_class="template",
                       message=message, path=exc.path)

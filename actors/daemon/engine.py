@@ -1,0 +1,893 @@
+"""The engine: storage, catalog and the supervision tree, and the daemon's own API.
+
+`Engine.open(path)` opens the LMDB environment, loads the definition catalog
+and starts the actor tree::
+
+    root (rest_for_one)
+    +-- registry        routes runnable slots to workers
+    +-- runs            one_for_one, one actor per active run (dynamic)
+    +-- leases          one_for_one, one actor per live lease (dynamic)
+    +-- timers          wakes passivated runs when their deadline comes
+    +-- recovery        on (re)start: activates every run with work in flight
+
+Storage is opened before the tree and closed after it: it is the ground the
+actors stand on, not one of them (its writer thread is the "storage writer").
+`rest_for_one` means a restart of the registry or a supervisor also restarts
+everything after it, ending with recovery, which rebuilds the live actors
+from storage: killing any actor loses nothing acknowledged.
+
+The public methods are the protocol's operations with Python types (start a
+run, claim, a worker call on a lease, signal, cancel, status...). The
+transports (HTTP, WebSocket, in-process) are thin adapters over them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from stepd.actors import (
+    ActorDead,
+    ActorNotFound,
+    ActorSystem,
+    ChildExists,
+    ChildSpec,
+    Clock,
+    Restart,
+    StartFailed,
+    Strategy,
+    Supervisor,
+    SystemClock,
+)
+from stepd.engine.definition import Definition, parse_definition
+from stepd.engine.errors import (
+    Fenced,
+    Invalid,
+    NotFound,
+    Unavailable,
+    Unprocessable,
+)
+from stepd.engine.events import AttemptSpec, StartChildren, Transition
+from stepd.engine.lease import LeaseRecord, Op
+from stepd.engine.pricing import PriceBook, step_usage
+from stepd.engine.record import RunRecord
+from stepd.engine.run import RunMachine
+from stepd.storage import Storage
+
+from . import ids, store
+from .catalog import Catalog, Registered, register_txn
+from .lease import CONFLICTS, LeaseActor
+from .messages import (
+    Announce,
+    CancelRun,
+    CancelWait,
+    Claim,
+    EndLease,
+    LeaseCall,
+    Offer,
+    RegisterWorker,
+    RegistryStats,
+    ReturnSpecs,
+    Signal,
+    WithdrawSlots,
+)
+from .recovery import RecoveryActor
+from .registry import RegistryActor, Stats, Waiter, WorkerInfo
+from .run import RunActor
+from .timers import TimerActor, TimerIndexChanged
+
+PROTOCOL_VERSION = "1.20"
+
+#: How many times a call retries an actor that died under it (it is being
+#: restarted by its supervisor, or a passivating run stopped at that moment).
+RETRIES = 50
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The numbers the protocol runs on (PROTOCOL.md "Defaults")."""
+
+    lease_ttl_ms: int = 30_000
+    heartbeat_ms: int = 10_000
+    recovery_window_ms: int = 5_000
+    max_request_ms: int = 30_000
+    sync: bool = True  # False only for benchmark comparison: unsafe
+    map_size: int = 64 << 20
+    max_map_size: int = 64 << 30
+    prices: PriceBook = PriceBook()
+
+    @property
+    def claim_hold_ms(self) -> int:
+        """A claim waits at most `min(wait_ms, hold)`: 4/5 of `max_request_ms`."""
+        return self.max_request_ms * 4 // 5
+
+    def check(self) -> None:
+        for name in ("lease_ttl_ms", "heartbeat_ms", "max_request_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise Invalid("must be a positive integer (milliseconds)", field=name)
+        if not isinstance(self.recovery_window_ms, int) or self.recovery_window_ms < 0:
+            raise Invalid("must be an integer >= 0 (milliseconds)", field="recovery_window_ms")
+        if self.heartbeat_ms >= self.lease_ttl_ms:
+            raise Invalid("must be less than lease_ttl_ms", field="heartbeat_ms")
+
+
+class Engine:
+    """The daemon's core. Create it with `Engine.open`."""
+
+    def __init__(self, storage: Storage, catalog: Catalog, config: EngineConfig, clock: Clock) -> None:
+        self.storage = storage
+        self.catalog = catalog
+        self.config = config
+        self.clock = clock
+        self.system: ActorSystem
+        self._result_waiters: dict[str, anyio.Event] = {}
+        self._cancel_listeners: dict[str, Callable[[str, str], None]] = {}
+        self._sessions: set[PushSession] = set()
+        self.closing = False
+        self.counters: dict[str, int] = {"runs_started": 0, "runs_ended": 0, "leases_offered": 0}
+        self.run_to_complete: list[float] = []
+        self.schedule_to_start: list[float] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, path: str, *, config: EngineConfig | None = None, clock: Clock | None = None
+    ) -> AsyncIterator[Engine]:
+        """Open the data directory and start the actor tree; stop both on exit.
+
+        Raises:
+            Invalid: a config value is out of range.
+            storage errors: the directory cannot be opened (in use, newer schema).
+        """
+        config = config or EngineConfig()
+        config.check()
+        clock = clock or SystemClock()
+        async with Storage.open(
+            path, sync=config.sync, extra_tables=store.EXTRA_TABLES,
+            map_size=config.map_size, max_map_size=config.max_map_size,
+        ) as storage:
+            catalog = Catalog()
+            storage.read(catalog.load_txn)
+            engine = cls(storage, catalog, config, clock)
+            big = {"intensity": 10_000, "period": 10.0}
+            root = Supervisor(
+                [
+                    ChildSpec("registry", lambda: RegistryActor(engine._load_workers)),
+                    ChildSpec("runs", lambda: Supervisor(**big)),
+                    ChildSpec("leases", lambda: Supervisor(**big)),
+                    ChildSpec("timers", lambda: TimerActor(engine)),
+                    ChildSpec("recovery", lambda: RecoveryActor(engine)),
+                ],
+                strategy=Strategy.REST_FOR_ONE,
+                intensity=20,
+                period=10.0,
+            )
+            system = ActorSystem(clock=clock, root=root)
+            engine.system = system
+            async with system:
+                try:
+                    yield engine
+                finally:
+                    engine.closing = True
+
+    # ------------------------------------------------------------------ workers
+
+    async def register_worker(
+        self,
+        *,
+        definitions: list[Any],
+        name: str | None = None,
+        worker_id: str | None = None,
+        build_id: str | None = None,
+        protocol_version: str = "1.0",
+        concurrency: int = 1,
+        capabilities: list[str] | None = None,
+        manifest: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """PROTOCOL.md `register`: store the worker's definitions, return its id and numbers.
+
+        Raises:
+            Invalid: a definition fails validation (naming the definition and
+                field), or a field of the registration is malformed.
+        """
+        if not isinstance(definitions, list):
+            raise Invalid("must be a list", field="definitions")
+        parsed: list[Definition] = []
+        for i, raw in enumerate(definitions):
+            try:
+                parsed.append(parse_definition(raw))
+            except Invalid as exc:
+                where = f"definitions[{i}]"
+                raise exc.with_location(field=where) from None
+        negotiated = negotiate(protocol_version)
+        check_capabilities(negotiated, capabilities or [], manifest)
+        now = self.clock.time_ms()
+        if worker_id is None:
+            worker_id = ids.worker_id(now)
+        elif not isinstance(worker_id, str) or not worker_id.startswith("w_") or len(worker_id) > 64:
+            raise Invalid("must be a worker id returned by an earlier register", field="worker_id")
+        name = name or f"worker-{worker_id[-6:].lower()}"
+        keys = sorted({(d.name, d.version, step.body) for d in parsed for step in d.steps
+                       if hasattr(step, "body")}, key=str)
+        info = {
+            "worker_id": worker_id, "name": name, "build_id": build_id,
+            "protocol_version": negotiated, "concurrency": concurrency,
+            "keys": [list(k) for k in keys], "registered_at": now,
+            "capabilities": capabilities or [],
+        }
+
+        def txn(t: Any) -> list[Registered]:
+            added = register_txn(t, parsed, now)
+            t.put(store.WORKERS, worker_id, info)
+            return added
+
+        added = await self.storage.write(txn)
+        for reg in added:
+            self.catalog.add(reg)
+        await self._registry().tell(RegisterWorker(worker_id, name, frozenset(keys)))
+        return {
+            "worker_id": worker_id,
+            "lease_ttl_ms": self.config.lease_ttl_ms,
+            "heartbeat_ms": self.config.heartbeat_ms,
+            "protocol_version": negotiated,
+            "max_request_ms": self.config.max_request_ms,
+            "definitions": [
+                {"name": d.name, "version": d.version, "definition_hash": d.definition_hash}
+                for d in parsed
+            ],
+        }
+
+    def _load_workers(self) -> list[WorkerInfo]:
+        out = []
+        for _, raw in self.storage.scan(store.WORKERS):
+            if isinstance(raw, dict):
+                keys = frozenset((k[0], k[1], k[2]) for k in raw["keys"])
+                out.append(WorkerInfo(raw["worker_id"], raw["name"], keys))
+        return out
+
+    def workers(self) -> list[dict[str, Any]]:
+        """GET /v1/api/workers: registered workers and the leases they hold."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        live: list[str] = []
+        try:
+            sup = self.system.supervisor("/leases")
+            live = [f"{c}" for c in sup.which_children()]
+        except (ActorNotFound, ActorDead):
+            pass
+        for lease_id in live:
+            raw = self.storage.get(store.LEASES, str(lease_id))
+            if isinstance(raw, dict):
+                held.setdefault(raw["worker_id"], []).append(
+                    {"lease_id": raw["lease_id"], "run_id": raw["run_id"], "step_id": raw["step_id"],
+                     "item_index": raw["item_index"], "status": raw["status"]})
+        out = []
+        for _, raw in self.storage.scan(store.WORKERS):
+            if isinstance(raw, dict):
+                out.append({
+                    "worker_id": raw["worker_id"], "name": raw["name"], "build_id": raw.get("build_id"),
+                    "protocol_version": raw.get("protocol_version"),
+                    "concurrency": raw.get("concurrency"),
+                    "registered_at": raw.get("registered_at"),
+                    "connected": raw["worker_id"] in self._cancel_listeners,
+                    "leases": held.get(raw["worker_id"], []),
+                })
+        return out
+
+    # ------------------------------------------------------------------ runs
+
+    async def start_run(
+        self,
+        workflow: str,
+        input: Any = None,
+        *,
+        version: str | None = None,
+        correlation: Any = None,
+        idempotency_key: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> tuple[str, bool]:
+        """Start a run, or return the run an idempotency key already started.
+
+        Returns:
+            (run id, created): created is False when `idempotency_key` was used before.
+
+        Raises:
+            Invalid: a field is malformed (naming it).
+            Unprocessable: no registered workflow of that name (and version).
+        """
+        if not isinstance(workflow, str) or not workflow:
+            raise Invalid("must be a non-empty string", field="workflow")
+        if version is not None and not isinstance(version, str):
+            raise Invalid("must be a string", field="version")
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not idempotency_key
+            or len(idempotency_key.encode()) > 400
+        ):
+            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
+        if self.closing:
+            raise Unavailable("the daemon is shutting down")
+        if idempotency_key is not None:
+            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
+            if isinstance(taken, dict):
+                return str(taken["run_id"]), False
+        definition = self.catalog.resolve(workflow, version)
+        if definition is None:
+            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+            raise Unprocessable(f"{what} is not registered")
+        now = self.clock.time_ms()
+        run_id = ids.run_id(now)
+        machine, tr = RunMachine.start(
+            run_id=run_id, definition=definition, input=input, now_ms=now,
+            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
+            resolve=self.catalog.resolve,
+        )
+        w = store.RunWrite(
+            run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
+            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
+            dispatch_key=idempotency_key,
+            children=[cw for e in tr.effects if isinstance(e, StartChildren)
+                      for cw in self.child_writes(e, now)],
+        )
+        existing = await self.storage.write(store.apply_txn, w)
+        if existing is not None:
+            return existing, False
+        self.counters["runs_started"] += 1
+        if w.due_new is not None:
+            self._timer_changed(w.due_new)
+        await self._activate(run_id, (machine, tr))
+        for child in created_ids(w.children):
+            await self.wake_run(child, None)
+        return run_id, True
+
+    def child_writes(self, effect: StartChildren, now: int) -> list[store.RunWrite]:
+        """The records of the child runs a `start_workflows` step creates (recursively)."""
+        writes = []
+        for child in effect.children:
+            machine, tr = RunMachine.start(
+                run_id=child.run_id, definition=effect.definition, input=child.input, now_ms=now,
+                correlation=effect.correlation,
+                parent={"run_id": effect.parent_run_id, "step_id": effect.step_id},
+                resolve=self.catalog.resolve,
+            )
+            writes.append(store.RunWrite(
+                run_id=child.run_id, record=machine.record.to_dict(), journal=tr.journal,
+                due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
+                children=[cw for e in tr.effects if isinstance(e, StartChildren)
+                          for cw in self.child_writes(e, now)],
+            ))
+            self.counters["runs_started"] += 1
+        return writes
+
+    def _record(self, run_id: str) -> dict[str, Any]:
+        raw = self.storage.read(store.load_run_txn, run_id)
+        if raw is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return raw
+
+    def _machine(self, raw: dict[str, Any]) -> RunMachine:
+        record = RunRecord.from_dict(raw)
+        definition = self.catalog.by_hash(record.definition_hash)
+        if definition is None:
+            raise NotFound(f"definition {record.definition_hash} of run {record.run_id} not found")
+        return RunMachine(record, definition, self.catalog.resolve)
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        """The run status (WORKFLOWS.md "Run status"), as last committed.
+
+        Raises:
+            NotFound: no such run.
+        """
+        return self._machine(self._record(run_id)).status_view()
+
+    def journal(self, run_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        self._record(run_id)
+        return [dict(v) for _, v in self.storage.journal(run_id, after_seq=after_seq, limit=limit)]  # type: ignore[call-overload]
+
+    def export(self, run_id: str) -> dict[str, Any]:
+        """Definition, version, hash, idempotency key, budget, state, journal and spans."""
+        raw = self._record(run_id)
+        m = self._machine(raw)
+        journal = self.journal(run_id)
+        view = m.status_view()
+        spans = [
+            {"step_id": e.get("step_id"), "item_index": e.get("item_index"),
+             "lease_id": e.get("lease_id"), **span}
+            for e in journal if e["type"] == "step_completed" for span in e.get("spans") or ()
+        ]
+        return {
+            "run_id": run_id,
+            "workflow": view["workflow"],
+            "definition": m.definition.to_json(),
+            "definition_version": view["definition_version"],
+            "definition_hash": view["definition_hash"],
+            "idempotency_key": view["idempotency_key"],
+            "budget": view["budget"],
+            "usage": view["usage"],
+            "status": view,
+            "state": view["state"],
+            "journal": journal,
+            "spans": spans,
+        }
+
+    def list_runs(
+        self, *, workflow: str | None = None, status: str | None = None, limit: int = 100,
+        cursor: str | None = None,
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of run summaries, oldest first; `cursor` is the last run id seen."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise Invalid("must be an integer from 1 to 1000", field="limit")
+        start = None if cursor is None else cursor.encode() + b"\x00"
+        out: list[dict[str, Any]] = []
+        next_cursor = None
+        batch = 512
+        while True:
+            rows = self.storage.scan(store.RUNS, start=start, limit=batch)
+            for key, raw in rows:
+                if not isinstance(raw, dict):
+                    continue
+                if workflow is not None and raw["workflow"] != workflow:
+                    continue
+                if status is not None and raw["status"] != status:
+                    continue
+                out.append({
+                    "run_id": raw["run_id"], "workflow": raw["workflow"], "status": raw["status"],
+                    "definition_version": raw["version"], "created_at": raw["created_at"],
+                    "updated_at": raw["updated_at"],
+                    "parent_run_id": (raw["parent"] or {}).get("run_id"),
+                })
+                if len(out) == limit:
+                    next_cursor = raw["run_id"]
+                    return out, next_cursor
+            if len(rows) < batch:
+                return out, None
+            start = rows[-1][0] + b"\x00"
+
+    async def result(self, run_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
+        """Wait until the run is terminal (at most `wait_ms`), then return its status."""
+        view = self.status(run_id)
+        if view["status"] in ("completed", "failed", "cancelled", "timed_out") or wait_ms <= 0:
+            return view
+        event = self._result_waiters.get(run_id)
+        if event is None:
+            event = self._result_waiters[run_id] = anyio.Event()
+        with anyio.move_on_after(min(wait_ms, self.config.max_request_ms) / 1000):
+            await event.wait()
+        return self.status(run_id)
+
+    async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
+        """Send a signal. Raises SignalRefused (409 budget_exceeded), RunTerminal, NotFound, Invalid."""
+        if not isinstance(name, str) or not name:
+            raise Invalid("must be a non-empty string", field="name")
+        self._record(run_id)
+        await self.ask_run(run_id, Signal(name, payload))
+
+    async def cancel(self, run_id: str, message: str = "cancelled") -> None:
+        """Cancel a run. Raises RunTerminal (already over), NotFound."""
+        self._record(run_id)
+        await self.ask_run(run_id, CancelRun(message))
+
+    # ------------------------------------------------------------------ worker calls
+
+    async def claim(
+        self, worker_id: str, *, max: int = 1, wait_ms: int = 0, run_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """PROTOCOL.md `claim`: up to `max` leases, waiting at most min(wait_ms, hold).
+
+        Raises:
+            NotFound: an unknown worker id.
+            Invalid: `max` or `wait_ms` out of range.
+        """
+        if isinstance(max, bool) or not isinstance(max, int) or not 1 <= max <= 1000:
+            raise Invalid("must be an integer from 1 to 1000", field="max")
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int) or wait_ms < 0:
+            raise Invalid("must be an integer >= 0", field="wait_ms")
+        info = self.storage.get(store.WORKERS, worker_id)
+        if not isinstance(info, dict):
+            raise NotFound(f"worker {worker_id!r} is not registered")
+        if self.closing:
+            return []
+        hold_s = min(wait_ms, self.config.claim_hold_ms) / 1000
+        deadline = anyio.current_time() + hold_s
+        registry = self._registry()
+        while True:
+            remaining = deadline - anyio.current_time()
+            waiter = Waiter(worker_id, max, run_id) if remaining > 0 else None
+            specs: list[AttemptSpec] = []
+            try:
+                got = await registry.ask(Claim(worker_id, max, run_id, waiter))
+                if isinstance(got, Waiter):
+                    with anyio.move_on_after(remaining):
+                        await got.event.wait()
+                    got.cancelled = True  # the registry fills it no more
+                    specs = list(got.specs)
+                    if not specs:
+                        self._tell_registry(CancelWait(got))
+                else:
+                    specs = list(got)
+            finally:
+                if waiter is not None and not waiter.cancelled:
+                    # Left before taking the answer (cancelled, or the registry
+                    # died): slots it was given go back to the queue.
+                    waiter.cancelled = True
+                    if waiter.specs:
+                        self.announce(tuple(waiter.specs), front=True)
+                    else:
+                        self._tell_registry(CancelWait(waiter))
+            leases = await self._offer_all(specs, info)
+            if leases or anyio.current_time() >= deadline:
+                return leases
+
+    async def _offer_all(self, specs: list[AttemptSpec], info: dict[str, Any]) -> list[dict[str, Any]]:
+        leases: list[dict[str, Any]] = []
+        done = 0
+        try:
+            for spec in specs:
+                lease = await self.ask_run(spec.run_id, Offer(spec, info["worker_id"], info["name"]),
+                                           quiet=True)
+                done += 1
+                if lease is not None:
+                    leases.append(lease)
+        finally:
+            if done < len(specs):
+                # The claimant went away before these were offered: queue them again.
+                self.announce(tuple(specs[done:]), front=True)
+        return leases
+
+    async def lease_call(self, lease_id: str, op: Op, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A worker call on a lease: started, heartbeat, complete or fail.
+
+        Returns the answer body. Raises one of the four Conflicts (409),
+        NotFound (404, unknown lease) or Invalid (400).
+        """
+        if op is Op.COMPLETE:
+            body = dict(body or {})
+            usage, spans = step_usage(body.get("usage"), body.get("spans"), self.config.prices)
+            body["usage"], body["spans"] = usage, spans
+        for attempt in range(RETRIES):
+            try:
+                ref = self.system.resolve(f"/leases/{lease_id}")
+            except ActorNotFound:
+                break
+            try:
+                return dict(await ref.ask(LeaseCall(op, body)))  # type: ignore[arg-type]
+            except ActorDead:
+                await anyio.sleep(0.001 * attempt)
+        pair = self.storage.read(store.lease_and_run_txn, lease_id)
+        if pair is None:
+            raise NotFound(f"lease {lease_id!r} not found")
+        lease_raw, run_raw = pair
+        reason = store.durable_reason(lease_raw, run_raw, op)
+        if reason is not None:
+            raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
+        # Live on record but no actor: it is being restarted. Give it a moment.
+        for attempt in range(RETRIES):
+            await anyio.sleep(0.002 * (attempt + 1))
+            if self.lease_actor_alive(lease_id):
+                return await self.lease_call(lease_id, op, body)
+        raise Unavailable(f"lease {lease_id} is being recovered; retry")
+
+    def push_session(self, worker_id: str) -> PushSession:
+        """A push channel for one connected worker (the WebSocket transport).
+
+        Raises:
+            NotFound: an unknown worker id.
+        """
+        info = self.storage.get(store.WORKERS, worker_id)
+        if not isinstance(info, dict):
+            raise NotFound(f"worker {worker_id!r} is not registered")
+        session = PushSession(self, worker_id, info["name"])
+        self._sessions.add(session)
+        return session
+
+    def resubscribe_sessions(self) -> None:
+        """After a registry restart: park every push session's remaining credit again."""
+        for session in list(self._sessions):
+            session.resubscribe()
+
+    def on_cancel(self, worker_id: str, listener: Callable[[str, str], None] | None) -> None:
+        """Register how to tell a worker that one of its leases ended (WebSocket `cancel`)."""
+        if listener is None:
+            self._cancel_listeners.pop(worker_id, None)
+        else:
+            self._cancel_listeners[worker_id] = listener
+
+    # ------------------------------------------------------------------ actors
+
+    def actors(self) -> dict[str, Any]:
+        return self.system.tree().to_dict()
+
+    async def kill(self, path: str) -> None:
+        """Kill one actor (fault injection); its supervisor restarts it from storage.
+
+        Raises:
+            NotFound: no actor at that path.
+            Invalid: the path is the root.
+        """
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise Invalid("must be an actor path such as /runs/r_...", field="path")
+        try:
+            await self.system.kill(path)
+        except ActorNotFound as exc:
+            raise NotFound(f"no actor at {path!r}") from exc
+        except ValueError as exc:
+            raise Invalid(str(exc), field="path") from exc
+
+    async def registry_stats(self) -> Stats:
+        return await self._registry().ask(RegistryStats())  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ plumbing for actors
+
+    def new_lease_id(self) -> str:
+        return ids.lease_id(self.clock.time_ms())
+
+    def _registry(self) -> Any:
+        return self.system.resolve("/registry")
+
+    def announce(self, specs: tuple[AttemptSpec, ...], *, front: bool = False) -> None:
+        if not specs:
+            return
+        message: Any = ReturnSpecs(specs) if front else Announce(specs)
+        try:
+            self._registry().tell_nowait(message)
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass  # the registry is restarting: recovery re-announces every queued slot
+
+    def _tell_registry(self, message: Any) -> None:
+        try:
+            self._registry().tell_nowait(message)
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass  # a restarted registry starts with no parked claims
+
+    def withdraw(self, run_id: str, slots: tuple[tuple[str, int | None], ...] | None) -> None:
+        try:
+            self._registry().tell_nowait(WithdrawSlots(run_id, slots))
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass  # a withdrawn slot that is offered anyway fails its offer
+
+    def end_lease(self, lease_id: str, reason: str) -> None:
+        try:
+            self.system.resolve(f"/leases/{lease_id}").tell_nowait(EndLease(reason))
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass  # its record says so already; a restarted lease actor reads it
+
+    def lease_actor_alive(self, lease_id: str) -> bool:
+        try:
+            return bool(self.system.resolve(f"/leases/{lease_id}").alive)
+        except ActorNotFound:
+            return False
+
+    async def start_lease_actor(self, record: LeaseRecord, workflow: str) -> None:
+        first = [True]
+
+        def start() -> LeaseActor:
+            restarted = not first[0]
+            first[0] = False
+            return LeaseActor(self, record, restarted=restarted)
+
+        try:
+            await self.system.supervisor("/leases").start_child(
+                ChildSpec(record.lease_id, start, restart=Restart.TRANSIENT)
+            )
+        except ChildExists:
+            pass
+
+    def push_cancel(self, record: LeaseRecord, reason: str) -> None:
+        listener = self._cancel_listeners.get(record.worker_id)
+        if listener is not None:
+            listener(record.lease_id, reason)
+
+    def metrics_offered(self, spec: AttemptSpec, now: int) -> None:
+        self.counters["leases_offered"] += 1
+
+    def run_ended(self, run_id: str, status: str, created_at: int) -> None:
+        self.counters["runs_ended"] += 1
+        self.run_to_complete.append((self.clock.time_ms() - created_at) / 1000)
+        if len(self.run_to_complete) > 10_000:
+            del self.run_to_complete[:5_000]
+        event = self._result_waiters.pop(run_id, None)
+        if event is not None:
+            event.set()
+
+    def _timer_changed(self, due_ms: int) -> None:
+        try:
+            self.system.resolve("/timers").tell_nowait(TimerIndexChanged(due_ms))
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass
+
+    async def _activate(self, run_id: str, initial: tuple[RunMachine, Transition] | None) -> Any:
+        """Start the run's actor if it is not running; return its ref."""
+        path = f"/runs/{run_id}"
+        try:
+            ref = self.system.resolve(path)
+            if ref.alive:
+                return ref
+        except ActorNotFound:
+            pass
+        holder = [initial]
+        first = [True]
+
+        def start() -> RunActor:
+            restarted = not first[0]
+            first[0] = False
+            init, holder[0] = holder[0], None
+            return RunActor(self, run_id, init, restarted=restarted)
+
+        try:
+            return await self.system.supervisor("/runs").start_child(
+                ChildSpec(run_id, start, restart=Restart.TRANSIENT)
+            )
+        except ChildExists:
+            return self.system.resolve(path)
+        except StartFailed as exc:
+            if isinstance(exc.__cause__, LookupError):
+                raise NotFound(f"run {run_id!r} not found") from exc
+            raise
+
+    async def wake_run(self, run_id: str, message: Any) -> None:
+        """Make sure the run has an actor; then tell it `message` (if any)."""
+        for attempt in range(RETRIES):
+            ref = await self._activate(run_id, None)
+            if message is None:
+                return
+            try:
+                await ref.tell(message)
+                return
+            except ActorDead:
+                await anyio.sleep(0.0005 * attempt)
+        raise Unavailable(f"run {run_id} did not come up to take {type(message).__name__}")
+
+    tell_run = wake_run
+
+    async def ask_run(self, run_id: str, message: Any, *, quiet: bool = False) -> Any:
+        """Ask the run's actor (starting it if passivated), retrying across restarts."""
+        for attempt in range(RETRIES):
+            ref = await self._activate(run_id, None)
+            try:
+                return await ref.ask(message)
+            except ActorDead:
+                await anyio.sleep(0.0005 * attempt)
+            except Fenced:
+                if quiet:
+                    return None
+                raise
+        raise Unavailable(f"run {run_id} did not come up to take {type(message).__name__}")
+
+
+class PushSession:
+    """Leases pushed to one worker connection as fast as work appears, within its credit.
+
+    The worker grants credit (`add_credit`); the registry hands this session one
+    runnable slot per credit the moment it appears; `leases()` turns each slot
+    into a lease through its run actor and yields it. A slot whose offer fails
+    (the run moved on) gives its credit back. `close()` returns unoffered slots
+    to the queue.
+    """
+
+    def __init__(self, engine: Engine, worker_id: str, name: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.name = name
+        self._send, self._recv = anyio.create_memory_object_stream[AttemptSpec](math.inf)
+        self.waiter = Waiter(worker_id, 0, None, deliver=self._deliver)
+        self.closed = False
+
+    def _deliver(self, spec: AttemptSpec) -> None:
+        self._send.send_nowait(spec)
+
+    async def add_credit(self, n: int) -> None:
+        """Grant `n` more leases (the WebSocket `credit` frame).
+
+        Raises:
+            Invalid: `n` is not an integer from 1 to 10000.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10_000:
+            raise Invalid("must be an integer from 1 to 10000", field="n")
+        if self.closed or self.engine.closing:
+            return
+        self.waiter.credit += n
+        await self.engine._registry().ask(Claim(self.worker_id, n, None, self.waiter))
+
+    def resubscribe(self) -> None:
+        if not self.closed and self.waiter.credit > 0:
+            self.engine._tell_registry(Claim(self.worker_id, self.waiter.credit, None, self.waiter))
+
+    async def leases(self) -> AsyncIterator[dict[str, Any]]:
+        """Yield leases as they are offered to this worker, until `close()`."""
+        async for spec in self._recv:
+            lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),
+                                              quiet=True)
+            if lease is None:
+                self.waiter.credit += 1  # stale slot: the credit is still the worker's
+                self.resubscribe()
+                continue
+            yield lease
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.waiter.cancelled = True
+        self.engine._tell_registry(CancelWait(self.waiter))
+        self.engine._sessions.discard(self)
+        leftover = []
+        while True:
+            try:
+                leftover.append(self._recv.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self._send.close()
+        if leftover:
+            self.engine.announce(tuple(leftover), front=True)
+
+
+def created_ids(writes: list[store.RunWrite]) -> list[str]:
+    out = []
+    for w in writes:
+        out.append(w.run_id)
+        out.extend(created_ids(w.children))
+    return out
+
+
+def negotiate(version: Any) -> str:
+    """The lower of the worker's protocol version and ours (AFFINITY.md).
+
+    Raises:
+        Invalid: not a "MAJOR.MINOR" string.
+    """
+    if not isinstance(version, str):
+        raise Invalid('must be a "MAJOR.MINOR" string', field="protocol_version")
+    try:
+        major, minor = (int(p) for p in version.split("."))
+    except ValueError:
+        raise Invalid('must be a "MAJOR.MINOR" string', field="protocol_version") from None
+    ours = tuple(int(p) for p in PROTOCOL_VERSION.split("."))
+    if major < 1:
+        raise Invalid("must be at least 1.0", field="protocol_version")
+    mine = (major, minor)
+    low = min(mine, ours)
+    return f"{low[0]}.{low[1]}"
+
+
+CAPABILITIES = ("local_steps", "sessions", "sticky")
+
+
+def check_capabilities(negotiated: str, capabilities: Any, manifest: Any) -> None:
+    """AFFINITY.md "Version negotiation and the capability manifest".
+
+    Raises:
+        Invalid: naming the field.
+    """
+    if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
+        raise Invalid("must be a list of strings", field="capabilities")
+    major, minor = (int(p) for p in negotiated.split("."))
+    if (major, minor) < (1, 18):
+        if capabilities or manifest:
+            raise Invalid("capability declarations need protocol version 1.18 or later",
+                          field="capabilities" if capabilities else "manifest")
+        return
+    if manifest is None:
+        if capabilities:
+            raise Invalid("a capability needs a manifest marking it supported", field="manifest")
+        return
+    if not isinstance(manifest, dict):
+        raise Invalid("must be an object", field="manifest")
+    for cap in CAPABILITIES:
+        entry = manifest.get(cap)
+        if not isinstance(entry, dict) or entry.get("status") not in ("supported", "rejected"):
+            raise Invalid('must declare {"status": "supported" | "rejected"}', field=f"manifest.{cap}")
+    unknown = set(manifest) - set(CAPABILITIES)
+    if unknown:
+        raise Invalid(f"unknown capability {sorted(unknown)[0]!r}", field="manifest")
+    for cap in capabilities:
+        if cap not in CAPABILITIES:
+            raise Invalid(f"unknown capability {cap!r}", field="capabilities")
+        if manifest[cap]["status"] != "supported":
+            raise Invalid(f"{cap!r} is not marked supported in the manifest", field="capabilities")
+

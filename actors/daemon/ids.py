@@ -1,0 +1,33 @@
+"""Identifiers: time-ordered, random, URL-safe (`r_01J...`, `l_01J...`, `w_01J...`).
+
+ULID layout (48 bits of milliseconds, 80 random bits, Crockford base32), so
+ids sort by creation time: a scan of the `runs` table lists runs oldest first
+without an index. The time comes from the caller's clock, never read here.
+"""
+
+from __future__ import annotations
+
+import os
+
+_ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def ulid(time_ms: int) -> str:
+    value = ((time_ms & 0xFFFF_FFFF_FFFF) << 80) | int.from_bytes(os.urandom(10), "big")
+    out = []
+    for _ in range(26):
+        out.append(_ALPHABET[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+def run_id(time_ms: int) -> str:
+    return "r_" + ulid(time_ms)
+
+
+def lease_id(time_ms: int) -> str:
+    return "l_" + ulid(time_ms)
+
+
+def worker_id(time_ms: int) -> str:
+    return "w_" + ulid(time_ms)

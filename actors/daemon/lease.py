@@ -1,0 +1,152 @@
+"""The lease actor: one live lease, its expiry timer, and its worker's calls.
+
+It drives a `LeaseMachine` (expiry, orphaning, revival, recovery) and answers
+what it can from memory with `reject_reason`; a call that changes the run is
+handed to the run actor (`ApplyAttempt`), which persists it under the durable
+guard and only then lets this actor answer. When the lease ends (its own
+complete/fail, recovery, or the run ending it) the actor stops; later calls
+are judged from the durable record by the engine (`Engine.lease_call`).
+
+After a daemon restart, or a kill, the lease is re-armed with a full TTL from
+now (PROTOCOL.md "Expiry and recovery"; a restart must not mass-expire
+healthy workers).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stepd.actors import Actor
+from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, Invalid, NotStarted, RunTerminal
+from stepd.engine.events import (
+    AttemptCompleted,
+    AttemptFailed,
+    AttemptLost,
+    AttemptOrphaned,
+    AttemptRevived,
+    AttemptStarted,
+)
+from stepd.engine.lease import LeaseMachine, LeaseRecord, LeaseStatus, Op, Orphaned, Recover, Revived, reject_reason
+
+from . import store
+from .messages import ApplyAttempt, AttemptNote, Due, EndLease, LeaseCall
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+CONFLICTS: dict[str, type[Conflict]] = {
+    "already_applied": AlreadyApplied,
+    "fenced": Fenced,
+    "run_terminal": RunTerminal,
+    "not_started": NotStarted,
+}
+
+
+class LeaseActor(Actor):
+    kind = "lease"
+    reply_errors = (Conflict, Invalid)
+
+    def __init__(self, engine: Engine, record: LeaseRecord, *, restarted: bool = False) -> None:
+        self.engine = engine
+        self._initial = record
+        self._restarted = restarted
+        self.machine: LeaseMachine
+
+    async def on_start(self) -> None:
+        e = self.engine
+        record = self._initial
+        if self._restarted:
+            raw = e.storage.get(store.LEASES, record.lease_id)
+            if isinstance(raw, dict):
+                record = LeaseRecord.from_dict(raw)
+        self.machine = LeaseMachine(
+            record, ttl_ms=e.config.lease_ttl_ms, window_ms=e.config.recovery_window_ms,
+            now=self.clock.time_ms(),
+        )
+        if not record.status.live:
+            self.stop()
+            return
+        self._arm()
+
+    async def receive(self, message: Any) -> Any:
+        if isinstance(message, LeaseCall):
+            return await self._call(message)
+        if isinstance(message, Due):
+            await self._tick()
+            return None
+        if isinstance(message, EndLease):
+            if self.machine.status.live:
+                status = LeaseStatus.FENCED if message.reason == "fenced" else LeaseStatus.RUN_TERMINAL
+                self.machine.end(status, self.clock.time_ms())
+                self.engine.push_cancel(self.machine.record, message.reason)
+            self.stop()
+            return None
+        raise TypeError(f"lease actor: unexpected message {message!r}")
+
+    async def _call(self, call: LeaseCall) -> dict[str, Any]:
+        m = self.machine
+        rec = m.record
+        reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
+        if reason is not None:
+            raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
+        now = self.clock.time_ms()
+        revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
+        if revived:
+            await self.engine.tell_run(rec.run_id, AttemptNote(
+                rec.lease_id, AttemptRevived(rec.step_id, rec.item_index, rec.fence)))
+        if call.op is Op.HEARTBEAT:
+            self._arm()
+            return {"lease_ttl_ms": m.ttl_ms}
+        body = call.body or {}
+        if call.op is Op.STARTED:
+            event: Any = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
+            final = None
+        elif call.op is Op.COMPLETE:
+            event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
+                                     body.get("state_patch"), body.get("usage"))
+            final = LeaseStatus.COMPLETED
+        else:
+            event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],
+                                  body.get("message", ""))
+            final = LeaseStatus.FAILED
+        stored = rec.to_dict()
+        if final is not None:
+            stored["status"] = final.value
+            stored["ended_at"] = now
+        try:
+            await self.engine.ask_run(rec.run_id, ApplyAttempt(rec.lease_id, call.op, stored, event))
+        except (Fenced, RunTerminal) as exc:
+            m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
+            self.stop()
+            raise
+        if final is not None:
+            m.end(final, now)
+            self.stop()
+        else:
+            self._arm()
+        return {}
+
+    async def _tick(self) -> None:
+        m = self.machine
+        rec = m.record
+        for action in m.tick(self.clock.time_ms()):
+            if isinstance(action, Orphaned):
+                await self.engine.tell_run(rec.run_id, AttemptNote(
+                    rec.lease_id, AttemptOrphaned(rec.step_id, rec.item_index, rec.fence)))
+            elif isinstance(action, Recover):
+                stored = rec.to_dict()
+                await self.engine.tell_run(rec.run_id, AttemptNote(
+                    rec.lease_id, AttemptLost(rec.step_id, rec.item_index, rec.fence, action.started),
+                    stored))
+                self.engine.push_cancel(rec, "fenced")
+                self.stop()
+                return
+        self._arm()
+
+    def _arm(self) -> None:
+        due = self.machine.next_deadline()
+        if due is None:
+            self.cancel_timer("due")
+            return
+        clock = self.clock
+        self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())

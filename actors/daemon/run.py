@@ -1,0 +1,338 @@
+"""The run actor: one active run's shell around its `RunMachine`.
+
+The machine decides; this actor does the I/O in the order DESIGN.md demands:
+persist the transition (one `RunWrite`, one transaction), then answer, then
+perform the effects (announce runnable slots, end leases, wake children and
+parents). It holds nothing that storage cannot rebuild: a killed run actor is
+restarted by its supervisor and `on_start` reloads the record (STYLE.md rule
+11).
+
+A run with nothing in flight (waiting for a signal, sleeping, waiting on
+children, or over) passivates: the actor stops, the durable timer index and
+the inbox bring it back (DESIGN.md "Idle runs").
+
+Run actors never *ask* another actor (they only tell), and lease actors ask
+run actors: so no cycle of asks, no deadlock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stepd.actors import Actor
+from stepd.engine.errors import Conflict, Invalid
+from stepd.engine.events import (
+    AttemptOffered,
+    Cancel,
+    CancelChildren,
+    ChildFinished,
+    EndLeases,
+    NotifyParent,
+    RunEnded,
+    Runnable,
+    SignalReceived,
+    StartChildren,
+    Tick,
+    Transition,
+    Withdraw,
+)
+from stepd.engine.lease import LeaseRecord, LeaseStatus
+from stepd.engine.record import RunRecord
+from stepd.engine.run import RunMachine
+
+from . import store
+from .messages import (
+    ApplyAttempt,
+    AttemptNote,
+    CancelRun,
+    Due,
+    IdleCheck,
+    InboxChanged,
+    Offer,
+    Resync,
+    Signal,
+)
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class SignalRefused(Conflict):
+    """A signal refused because its transition would breach a budget (409 budget_exceeded)."""
+
+    reason = "budget_exceeded"
+
+    def __init__(self, budget: str, message: str = "") -> None:
+        super().__init__(message or f"the signal's transition would exceed {budget}")
+        self.budget = budget
+
+
+class StaleState(RuntimeError):
+    """The durable guard disagreed with this actor's memory: crash and rebuild from storage."""
+
+
+class RunActor(Actor):
+    kind = "run"
+    reply_errors = (Conflict, Invalid)
+
+    def __init__(
+        self,
+        engine: Engine,
+        run_id: str,
+        initial: tuple[RunMachine, Transition] | None = None,
+        *,
+        restarted: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.run_id = run_id
+        self._initial = initial
+        self._restarted = restarted
+        self.machine: RunMachine
+        self.indexed_due: int | None = None
+        self.indexed_active = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def on_start(self) -> None:
+        e = self.engine
+        initial, self._initial = self._initial, None
+        if initial is not None:
+            self.machine, tr = initial
+        else:
+            if self._restarted:
+                # The incarnation before this one crashed: writes it left behind
+                # (deferred offers) must be on record before we read the record.
+                await e.storage.write(store.barrier_txn)
+            raw = e.storage.read(store.load_run_txn, self.run_id)
+            if raw is None:
+                raise LookupError(f"run {self.run_id} is not on record")
+            record = RunRecord.from_dict(raw)
+            definition = e.catalog.by_hash(record.definition_hash)
+            if definition is None:
+                raise LookupError(f"run {self.run_id}: definition {record.definition_hash} unknown")
+            self.machine = RunMachine(record, definition, e.catalog.resolve)
+            tr = Transition()
+        self.indexed_due = self.machine.next_deadline()
+        self.indexed_active = not self.machine.idle()
+        await self._drain_inbox()
+        await self._ensure_leases()
+        await self._effects(tr)
+        self._announce()
+        self._arm()
+        self.ref.tell_nowait(IdleCheck())
+
+    async def receive(self, message: Any) -> Any:
+        try:
+            return await self._dispatch(message)
+        finally:
+            if (
+                self.machine.idle()
+                and not self.has_pending()
+                and not self.machine.live_leases()
+            ):
+                self.stop()
+
+    async def _dispatch(self, message: Any) -> Any:
+        if isinstance(message, ApplyAttempt):
+            return await self._apply_attempt(message)
+        if isinstance(message, Offer):
+            return await self._offer(message)
+        if isinstance(message, Due):
+            await self._handle(Tick())
+            return None
+        if isinstance(message, AttemptNote):
+            return await self._note(message)
+        if isinstance(message, Signal):
+            tr = await self._handle(SignalReceived(message.name, message.payload))
+            if tr.refused is not None:
+                raise SignalRefused(tr.refused[1])
+            return None
+        if isinstance(message, CancelRun):
+            await self._handle(Cancel(message.message))
+            return None
+        if isinstance(message, InboxChanged):
+            await self._drain_inbox()
+            return None
+        if isinstance(message, Resync):
+            await self._ensure_leases()
+            self._announce()
+            return None
+        if isinstance(message, IdleCheck):
+            return None
+        raise TypeError(f"run actor: unexpected message {message!r}")
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _handle(self, event: Any, **write: Any) -> Transition:
+        """Apply one machine event, persist it, then perform its effects."""
+        tr = self.machine.handle(event, self.clock.time_ms())
+        await self._commit(tr, **write)
+        await self._effects(tr)
+        return tr
+
+    async def _offer(self, msg: Offer) -> dict[str, Any] | None:
+        e = self.engine
+        now = self.clock.time_ms()
+        lease_id = e.new_lease_id()
+        spec = msg.spec
+        try:
+            tr = self.machine.handle(
+                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name),
+                now,
+            )
+        except Conflict:
+            return None  # the slot moved on (offered elsewhere, withdrawn, run over)
+        lease = tr.lease
+        assert lease is not None
+        record = LeaseRecord(
+            lease_id=lease_id, run_id=self.run_id, step_id=spec.step_id,
+            item_index=spec.item_index, fence=lease["fence"], attempt=lease["attempt"],
+            worker_id=msg.worker_id, worker_name=msg.worker_name, delivery=lease["delivery"],
+            offered_at=now,
+        )
+        # The offer is written behind: nothing acknowledges it. If it is lost in a
+        # crash the slot is still queued on record and is offered again, and the
+        # worker's calls on this lease get 404. Every later write of this run is
+        # ordered after it, so `started`/`complete` find the lease on record.
+        e.storage.write_deferred(store.apply_txn, self._write(tr, leases=[record.to_dict()]))
+        await e.start_lease_actor(record, self.machine.record.workflow)
+        lease["lease_ttl_ms"] = e.config.lease_ttl_ms
+        e.metrics_offered(spec, now)
+        return lease
+
+    async def _apply_attempt(self, msg: ApplyAttempt) -> None:
+        tr = self.machine.handle(msg.event, self.clock.time_ms())  # Conflict: nothing changed
+        try:
+            await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
+        except Conflict as exc:
+            # Memory said yes, the durable record says no: memory is wrong. Crash;
+            # the asker gets ActorDead and asks the rebuilt incarnation again.
+            raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
+        await self._effects(tr)
+
+    async def _note(self, msg: AttemptNote) -> None:
+        try:
+            tr = self.machine.handle(msg.event, self.clock.time_ms())
+        except Conflict:
+            return None  # the attempt moved on meanwhile: nothing to record
+        leases = [msg.lease] if msg.lease is not None else []
+        await self._commit(tr, leases=leases)
+        await self._effects(tr)
+        return None
+
+    async def _drain_inbox(self) -> None:
+        e = self.engine
+        entries = e.storage.read(store.inbox_txn, self.run_id)
+        for key, msg in entries:
+            kind = msg.get("type")
+            if kind == "child_finished":
+                event: Any = ChildFinished(msg["child_run_id"], msg["status"], msg.get("result"),
+                                           msg.get("error"))
+            elif kind == "cancel":
+                event = Cancel(msg.get("message") or "cancelled by the parent run")
+            else:
+                continue
+            try:
+                tr = self.machine.handle(event, self.clock.time_ms())
+            except Conflict:
+                tr = Transition()  # already terminal: just consume the message
+            await self._commit(tr, inbox_done=[key])
+            await self._effects(tr)
+
+    # ------------------------------------------------------------------ persistence
+
+    def _write(self, tr: Transition, **extra: Any) -> store.RunWrite:
+        m = self.machine
+        due = m.next_deadline()
+        active = not m.idle()
+        now = self.clock.time_ms()
+        w = store.RunWrite(
+            run_id=self.run_id,
+            record=m.record.to_dict(),
+            journal=tr.journal,
+            due_old=self.indexed_due,
+            due_new=due,
+            active_old=self.indexed_active,
+            active_new=active,
+            **extra,
+        )
+        for effect in tr.effects:
+            if isinstance(effect, EndLeases):
+                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).value
+                w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
+            elif isinstance(effect, StartChildren):
+                w.children.extend(self.engine.child_writes(effect, now))
+            elif isinstance(effect, NotifyParent):
+                r = m.record
+                w.inbox.append((effect.parent_run_id, self.run_id, {
+                    "type": "child_finished", "child_run_id": self.run_id,
+                    "status": r.status.value, "result": r.result, "error": r.error,
+                }))
+            elif isinstance(effect, CancelChildren):
+                for child in effect.run_ids:
+                    w.inbox.append((child, self.run_id, {"type": "cancel",
+                                                         "message": f"parent run {self.run_id} ended"}))
+        self.indexed_due = due
+        self.indexed_active = active
+        return w
+
+    async def _commit(self, tr: Transition, **extra: Any) -> None:
+        if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
+            return  # nothing happened (a tick with nothing due)
+        w = self._write(tr, **extra)
+        await self.engine.storage.write(store.apply_txn, w)
+        self._arm()
+
+    # ------------------------------------------------------------------ effects
+
+    async def _effects(self, tr: Transition) -> None:
+        e = self.engine
+        for effect in tr.effects:
+            if isinstance(effect, Runnable):
+                e.announce(effect.attempts)
+            elif isinstance(effect, Withdraw):
+                e.withdraw(effect.run_id, effect.slots)
+            elif isinstance(effect, EndLeases):
+                for lease_id in effect.lease_ids:
+                    e.end_lease(lease_id, effect.reason)
+            elif isinstance(effect, StartChildren):
+                for child in effect.children:
+                    await e.wake_run(child.run_id, None)
+            elif isinstance(effect, CancelChildren):
+                for child in effect.run_ids:
+                    await e.wake_run(child, InboxChanged())
+            elif isinstance(effect, NotifyParent):
+                await e.wake_run(effect.parent_run_id, InboxChanged())
+            elif isinstance(effect, RunEnded):
+                e.run_ended(self.run_id, effect.status, self.machine.record.created_at)
+
+    def _announce(self) -> None:
+        specs = self.machine.runnable()
+        if specs:
+            self.engine.announce(tuple(specs))
+
+    async def _ensure_leases(self) -> None:
+        """Every live lease of this run has its actor (after a restart: with a full TTL)."""
+        live = self.machine.live_leases()
+        if not live:
+            return
+        e = self.engine
+        records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
+        on_record = {r["lease_id"]: r for r in records}
+        for lease_id, slot in live:
+            raw = on_record.get(lease_id)
+            if raw is None:
+                # Offered in this incarnation and still being written behind:
+                # its actor was started with the offer.
+                continue
+            if not e.lease_actor_alive(lease_id):
+                await e.start_lease_actor(LeaseRecord.from_dict(raw), self.machine.record.workflow)
+
+    def _arm(self) -> None:
+        due = self.machine.next_deadline()
+        if due is None:
+            self.cancel_timer("due")
+            return
+        clock = self.clock
+        self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())
+

@@ -1,0 +1,201 @@
+"""The daemon's tables and the transactions the run actors commit.
+
+Every change to a run is one `RunWrite` applied by `apply_txn` in one write
+transaction: the run record, its journal entries, the durable timer index,
+the active-run index, lease records, the lease guard, child runs created by
+the same transition, and messages to other runs' inboxes. Persist-then-ack
+(DESIGN.md) is the run actor awaiting `storage.write(apply_txn, write)` before
+it answers anyone.
+
+Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
+
+| table | key | value |
+|---|---|---|
+| runs | run id | `RunRecord.to_dict()` |
+| journal | run id, seq (big-endian) | journal entry |
+| leases | lease id | `LeaseRecord.to_dict()` |
+| dispatch_keys | idempotency key | `{"run_id", "at"}` |
+| timers | due ms (big-endian), run id, tag | `{}`: a run's next deadline, for passivated runs |
+| idx_active | run id | `1`: runs with work in flight, activated at start |
+| inbox | target run id, NUL, source | a message for a run that may be passivated |
+| definitions | definition hash | `{"json", "order", "registered_at"}` |
+| workers | worker id | registration |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, NotStarted, RunTerminal
+from stepd.engine.lease import LeaseRecord, Op, reject_reason
+from stepd.engine.record import slot_key
+from stepd.engine.status import TERMINAL_STATUSES, RunStatus
+from stepd.storage import ReadTxn, WriteTxn, journal_key, timer_key
+
+RUNS = "runs"
+JOURNAL = "journal"
+LEASES = "leases"
+DISPATCH_KEYS = "dispatch_keys"
+TIMERS = "timers"
+IDX_ACTIVE = "idx_active"
+INBOX = "inbox"
+WORKERS = "workers"
+
+EXTRA_TABLES = (IDX_ACTIVE, INBOX)
+
+TIMER_TAG = b"run"
+
+_CONFLICTS: dict[str, type[Conflict]] = {
+    "already_applied": AlreadyApplied,
+    "fenced": Fenced,
+    "run_terminal": RunTerminal,
+    "not_started": NotStarted,
+}
+_TERMINAL_VALUES = frozenset(s.value for s in TERMINAL_STATUSES)
+
+
+def inbox_key(target_run_id: str, source: str) -> bytes:
+    return target_run_id.encode() + b"\x00" + source.encode()
+
+
+def inbox_prefix(target_run_id: str) -> bytes:
+    return target_run_id.encode() + b"\x00"
+
+
+@dataclass(slots=True)
+class LeaseGuard:
+    """Check the durable lease before applying a worker call (STYLE.md rule 16)."""
+
+    lease_id: str
+    op: Op
+
+
+@dataclass(slots=True)
+class RunWrite:
+    """Everything one run transition writes, applied atomically by `apply_txn`."""
+
+    run_id: str
+    record: dict[str, Any]
+    journal: list[dict[str, Any]]
+    due_old: int | None = None
+    due_new: int | None = None
+    active_old: bool = False
+    active_new: bool = False
+    create: bool = False  # the run must not exist yet
+    dispatch_key: str | None = None  # with create: the idempotency key to claim
+    guard: LeaseGuard | None = None
+    leases: list[dict[str, Any]] = field(default_factory=list)  # lease records to put
+    lease_status: list[tuple[str, str, int]] = field(default_factory=list)  # (id, status, at)
+    children: list[RunWrite] = field(default_factory=list)
+    inbox: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (target, source, msg)
+    inbox_done: list[bytes] = field(default_factory=list)
+
+
+def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
+    """Apply one run transition. Returns the existing run id when `dispatch_key` was taken.
+
+    Raises:
+        Conflict: the guard's lease check refused the call (nothing is written).
+        KeyError: `create` and the run id exists already.
+    """
+    if w.create:
+        if w.dispatch_key is not None:
+            taken = txn.get(DISPATCH_KEYS, w.dispatch_key)
+            if isinstance(taken, dict):
+                return str(taken["run_id"])
+            txn.put(DISPATCH_KEYS, w.dispatch_key, {"run_id": w.run_id, "at": w.record["created_at"]})
+        if not txn.put(RUNS, w.run_id, w.record, overwrite=False):
+            raise KeyError(f"run {w.run_id} exists already")
+    else:
+        if w.guard is not None:
+            _check_guard_txn(txn, w.run_id, w.guard)
+        txn.put(RUNS, w.run_id, w.record)
+    for entry in w.journal:
+        txn.put(JOURNAL, journal_key(w.run_id, entry["seq"]), entry)
+    if w.due_old != w.due_new:
+        if w.due_old is not None:
+            txn.delete(TIMERS, timer_key(w.due_old, w.run_id, TIMER_TAG))
+        if w.due_new is not None:
+            txn.put(TIMERS, timer_key(w.due_new, w.run_id, TIMER_TAG), {})
+    if w.active_old != w.active_new or w.create:
+        if w.active_new:
+            txn.put(IDX_ACTIVE, w.run_id, 1)
+        else:
+            txn.delete(IDX_ACTIVE, w.run_id)
+    for lease in w.leases:
+        txn.put(LEASES, lease["lease_id"], lease)
+    for lease_id, status, at in w.lease_status:
+        current = txn.get(LEASES, lease_id)
+        if isinstance(current, dict) and current["status"] in ("offered", "started"):
+            current["status"] = status
+            current["ended_at"] = at
+            txn.put(LEASES, lease_id, current)
+    for target, source, msg in w.inbox:
+        txn.put(INBOX, inbox_key(target, source), msg)
+    for key in w.inbox_done:
+        txn.delete(INBOX, key)
+    for child in w.children:
+        apply_txn(txn, child)
+    return None
+
+
+def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
+    lease_raw = txn.get(LEASES, guard.lease_id)
+    run_raw = txn.get(RUNS, run_id)
+    if not isinstance(lease_raw, dict) or not isinstance(run_raw, dict):
+        raise Fenced(f"lease {guard.lease_id} is not on record")
+    reason = durable_reason(lease_raw, run_raw, guard.op)
+    if reason is not None:
+        raise _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
+
+
+def durable_reason(lease_raw: dict[str, Any], run_raw: dict[str, Any], op: Op) -> str | None:
+    """The 409 reason for `op` on a lease, judged from the durable records alone."""
+    lease = LeaseRecord.from_dict(lease_raw)
+    fences = run_raw.get("fences") or {}
+    return reject_reason(
+        lease,
+        op,
+        run_terminal=run_raw["status"] in _TERMINAL_VALUES,
+        current_fence=fences.get(slot_key(lease.step_id, lease.item_index)),
+    )
+
+
+def barrier_txn(txn: WriteTxn) -> None:
+    """Write nothing: awaiting it means every write submitted before is on record."""
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def load_run_txn(txn: ReadTxn, run_id: str) -> dict[str, Any] | None:
+    raw = txn.get(RUNS, run_id)
+    return raw if isinstance(raw, dict) else None
+
+
+def lease_and_run_txn(txn: ReadTxn, lease_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    lease = txn.get(LEASES, lease_id)
+    if not isinstance(lease, dict):
+        return None
+    run = txn.get(RUNS, lease["run_id"])
+    if not isinstance(run, dict):
+        return None
+    return lease, run
+
+
+def live_leases_txn(txn: ReadTxn, lease_ids: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for lease_id in lease_ids:
+        raw = txn.get(LEASES, lease_id)
+        if isinstance(raw, dict) and raw["status"] in ("offered", "started"):
+            out.append(raw)
+    return out
+
+
+def inbox_txn(txn: ReadTxn, run_id: str) -> list[tuple[bytes, dict[str, Any]]]:
+    return [(k, v) for k, v in txn.scan(INBOX, prefix=inbox_prefix(run_id)) if isinstance(v, dict)]
+
+
+def run_is_terminal(raw: dict[str, Any]) -> bool:
+    return RunStatus(raw["status"]).terminal

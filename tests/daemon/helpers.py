@@ -1,0 +1,45 @@
+"""Drive an engine in-process the way a worker would: claim, started, complete."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from stepd.actors.daemon import Engine
+from stepd.engine.lease import Op
+
+Body = Callable[[dict[str, Any]], Any]
+
+
+def seq_definition(name: str, n: int) -> dict[str, Any]:
+    """PEERS.md's seq(n): n no-op steps, each adding its index to an accumulator."""
+    return {
+        "name": name,
+        "steps": [{"id": f"s{i}", "kind": "task", "body": "add", "input": {"i": i, "acc": "${state.acc}" if i else 0}}
+                  for i in range(n)],
+    }
+
+
+async def run_worker(engine: Engine, worker_id: str, bodies: dict[str, Body], stop: anyio.Event, *,
+                     max_claim: int = 8) -> int:
+    """Claim and run bodies until `stop` is set; returns how many leases it completed."""
+    done = 0
+    while not stop.is_set():
+        leases = await engine.claim(worker_id, max=max_claim, wait_ms=50)
+        for lease in leases:
+            await engine.lease_call(lease["lease_id"], Op.STARTED, {})
+            fn = bodies[lease["body"]]
+            try:
+                out = fn(lease)
+            except Exception as exc:  # a body failure is reported, as a worker would
+                await engine.lease_call(lease["lease_id"], Op.FAIL,
+                                        {"error_class": "fatal", "message": str(exc)})
+                continue
+            patch = None
+            if isinstance(out, tuple):
+                out, patch = out
+            await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": out, "state_patch": patch})
+            done += 1
+    return done
