@@ -425,6 +425,16 @@ class Actor:
         """
         self._rt().request_stop()
 
+    def has_pending(self) -> bool:
+        """True when messages or fired timers wait to be handled.
+
+        An actor that stops itself when it has nothing to do (a passivating
+        run) checks this first, so it never drops work already queued for it.
+        """
+        rt = self._rt()
+        depth = rt.mailbox.depth() - (1 if rt.wake_pending else 0)
+        return depth > 0 or bool(rt.sysq)
+
     def arm_timer(self, key: Hashable, deadline: float, message: object) -> None:
         """Deliver `message` to this actor at `deadline` (of `self.clock.now()`).
 

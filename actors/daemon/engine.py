@@ -553,24 +553,20 @@ class Engine:
         for attempt in range(RETRIES):
             try:
                 ref = self.system.resolve(f"/leases/{lease_id}")
-            except ActorNotFound:
-                break
-            try:
-                return dict(await ref.ask(LeaseCall(op, body)))  # type: ignore[arg-type]
-            except ActorDead:
-                await anyio.sleep(0.001 * attempt)
-        pair = self.storage.read(store.lease_and_run_txn, lease_id)
-        if pair is None:
-            raise NotFound(f"lease {lease_id!r} not found")
-        lease_raw, run_raw = pair
-        reason = store.durable_reason(lease_raw, run_raw, op)
-        if reason is not None:
-            raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
-        # Live on record but no actor: it is being restarted. Give it a moment.
-        for attempt in range(RETRIES):
-            await anyio.sleep(0.002 * (attempt + 1))
-            if self.lease_actor_alive(lease_id):
-                return await self.lease_call(lease_id, op, body)
+                if ref.alive:
+                    return dict(await ref.ask(LeaseCall(op, body)))  # type: ignore[arg-type]
+            except (ActorNotFound, ActorDead):
+                pass
+            # No live actor: judge from the durable record.
+            pair = self.storage.read(store.lease_and_run_txn, lease_id)
+            if pair is None:
+                raise NotFound(f"lease {lease_id!r} not found")
+            reason = store.durable_reason(pair[0], pair[1], op)
+            if reason is not None:
+                raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
+            # Live on record but no actor: it is being restarted, or its end is
+            # being written. Either way the answer is moments away.
+            await anyio.sleep(0.001 * (attempt + 1))
         raise Unavailable(f"lease {lease_id} is being recovered; retry")
 
     def push_session(self, worker_id: str) -> PushSession:
@@ -701,7 +697,13 @@ class Engine:
         except (ActorDead, ActorNotFound, anyio.WouldBlock):
             pass
 
-    async def _activate(self, run_id: str, initial: tuple[RunMachine, Transition] | None) -> Any:
+    async def _activate(
+        self,
+        run_id: str,
+        initial: tuple[RunMachine, Transition] | None,
+        *,
+        expect_message: bool = False,
+    ) -> Any:
         """Start the run's actor if it is not running; return its ref."""
         path = f"/runs/{run_id}"
         try:
@@ -717,7 +719,8 @@ class Engine:
             restarted = not first[0]
             first[0] = False
             init, holder[0] = holder[0], None
-            return RunActor(self, run_id, init, restarted=restarted)
+            return RunActor(self, run_id, init, restarted=restarted,
+                            expect_message=expect_message and not restarted)
 
         try:
             return await self.system.supervisor("/runs").start_child(
@@ -733,7 +736,7 @@ class Engine:
     async def wake_run(self, run_id: str, message: Any) -> None:
         """Make sure the run has an actor; then tell it `message` (if any)."""
         for attempt in range(RETRIES):
-            ref = await self._activate(run_id, None)
+            ref = await self._activate(run_id, None, expect_message=message is not None)
             if message is None:
                 return
             try:
@@ -748,7 +751,7 @@ class Engine:
     async def ask_run(self, run_id: str, message: Any, *, quiet: bool = False) -> Any:
         """Ask the run's actor (starting it if passivated), retrying across restarts."""
         for attempt in range(RETRIES):
-            ref = await self._activate(run_id, None)
+            ref = await self._activate(run_id, None, expect_message=True)
             try:
                 return await ref.ask(message)
             except ActorDead:

@@ -82,11 +82,15 @@ class RunActor(Actor):
         initial: tuple[RunMachine, Transition] | None = None,
         *,
         restarted: bool = False,
+        expect_message: bool = False,
     ) -> None:
         self.engine = engine
         self.run_id = run_id
         self._initial = initial
         self._restarted = restarted
+        # Started to take a message: passivating before it arrives would make
+        # the sender start us again, forever.
+        self._expect_message = expect_message
         self.machine: RunMachine
         self.indexed_due: int | None = None
         self.indexed_active = False
@@ -119,18 +123,23 @@ class RunActor(Actor):
         await self._effects(tr)
         self._announce()
         self._arm()
-        self.ref.tell_nowait(IdleCheck())
+        if not self._expect_message:
+            self.ref.tell_nowait(IdleCheck())
 
     async def receive(self, message: Any) -> Any:
         try:
             return await self._dispatch(message)
         finally:
-            if (
-                self.machine.idle()
-                and not self.has_pending()
-                and not self.machine.live_leases()
-            ):
+            if self._passivable():
                 self.stop()
+
+    def _passivable(self) -> bool:
+        """Nothing in flight, nothing queued, and no deadline already due."""
+        m = self.machine
+        if not m.idle() or self.has_pending() or m.live_leases():
+            return False
+        due = m.next_deadline()
+        return due is None or due > self.clock.time_ms()
 
     async def _dispatch(self, message: Any) -> Any:
         if isinstance(message, ApplyAttempt):
@@ -272,6 +281,9 @@ class RunActor(Actor):
                 for child in effect.run_ids:
                     w.inbox.append((child, self.run_id, {"type": "cancel",
                                                          "message": f"parent run {self.run_id} ended"}))
+        if due is not None and due != self.indexed_due:
+            # The timer actor wakes this run if it passivates before `due`.
+            self.engine._timer_changed(due)
         self.indexed_due = due
         self.indexed_active = active
         return w

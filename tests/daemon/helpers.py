@@ -43,3 +43,39 @@ async def run_worker(engine: Engine, worker_id: str, bodies: dict[str, Body], st
             await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": out, "state_patch": patch})
             done += 1
     return done
+
+
+async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy (bounded: fails after `timeout`).
+
+    Used where a real thread (the storage writer) is involved, so "every task
+    is blocked" does not mean "done".
+    """
+    with anyio.fail_after(timeout):
+        while True:
+            value = check()
+            if value:
+                return value
+            await anyio.sleep(0.002)
+
+
+def run_actor_alive(engine: Engine, run_id: str) -> bool:
+    try:
+        return bool(engine.system.resolve(f"/runs/{run_id}").alive)
+    except LookupError:
+        return False
+
+
+async def claim_one(engine: Engine, worker_id: str, *, run_id: str | None = None,
+                    timeout: float = 5.0) -> dict[str, Any]:
+    with anyio.fail_after(timeout):
+        while True:
+            leases = await engine.claim(worker_id, max=1, wait_ms=100, run_id=run_id)
+            if leases:
+                return leases[0]
+
+
+async def finish(engine: Engine, lease: dict[str, Any], output: Any = None,
+                 patch: dict[str, Any] | None = None) -> None:
+    await engine.lease_call(lease["lease_id"], Op.STARTED, {})
+    await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": output, "state_patch": patch})

@@ -1,0 +1,163 @@
+"""Run actors under a virtual clock: timers, passivation, kills, children, cancel.
+
+Real LMDB, real actors on asyncio and trio; time is a ManualClock, so a
+one-hour sleep takes a millisecond.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from stepd.actors import ManualClock
+from stepd.actors.daemon import Engine, EngineConfig, SignalRefused
+from stepd.engine.errors import NotFound, RunTerminal
+
+from .helpers import claim_one, eventually, finish, run_actor_alive
+
+T0 = 1_700_000_000_000
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(wall_ms=T0)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Engine]:
+    async with Engine.open(str(tmp_path / "data"), clock=clock) as e:
+        yield e
+
+
+async def register(engine: Engine, *defs: dict[str, Any]) -> str:
+    reg = await engine.register_worker(name="w", definitions=list(defs))
+    return str(reg["worker_id"])
+
+
+def status(engine: Engine, run_id: str) -> str:
+    return str(engine.status(run_id)["status"])
+
+
+SLEEPY = {"name": "sleepy", "steps": [
+    {"id": "a", "kind": "task", "body": "a"},
+    {"id": "nap", "kind": "sleep", "duration_ms": 3_600_000},
+    {"id": "b", "kind": "task", "body": "b"},
+]}
+
+
+async def test_a_sleep_passivates_and_fires_at_the_virtual_time(engine: Engine, clock: ManualClock) -> None:
+    wid = await register(engine, SLEEPY)
+    run_id, _ = await engine.start_run("sleepy")
+    await finish(engine, await claim_one(engine, wid), "A")
+    await eventually(lambda: status(engine, run_id) == "sleeping")
+    await eventually(lambda: not run_actor_alive(engine, run_id), what="passivated")
+    clock.advance(3599.999)
+    await anyio.sleep(0.05)
+    assert status(engine, run_id) == "sleeping"
+    assert await engine.claim(wid, max=1) == []
+    clock.advance(0.001)
+    lease = await claim_one(engine, wid)
+    assert lease["step_id"] == "b"
+    await finish(engine, lease, "B")
+    done = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
+    assert done["result"] == "B"
+    fired = [e for e in engine.journal(run_id) if e["type"] == "timer_fired"]
+    assert [(e["timer"], e["at"] - e["due_at"]) for e in fired] == [("sleep", 0)]
+    assert fired[0]["due_at"] == T0 + 3_600_000
+
+
+WAITER = {"name": "approve", "steps": [
+    {"id": "gate", "kind": "wait", "event": "approved", "timeout_ms": 60_000, "into": "approval"},
+    {"id": "send", "kind": "task", "body": "send", "input": "${state.approval}"},
+], "budgets": {"max_state_bytes": 100}}
+
+
+async def test_a_signal_reactivates_a_passivated_run(engine: Engine) -> None:
+    wid = await register(engine, WAITER)
+    run_id, _ = await engine.start_run("approve")
+    await eventually(lambda: status(engine, run_id) == "waiting")
+    await eventually(lambda: not run_actor_alive(engine, run_id))
+    with pytest.raises(SignalRefused) as refused:
+        await engine.signal(run_id, "approved", {"note": "x" * 200})
+    assert refused.value.budget == "max_state_bytes"
+    assert status(engine, run_id) == "waiting"
+    await engine.signal(run_id, "approved", {"by": "ann"})
+    lease = await claim_one(engine, wid)
+    assert lease["input"] == {"by": "ann"}
+    await finish(engine, lease, "sent")
+    await eventually(lambda: status(engine, run_id) == "completed")
+    types = [e["type"] for e in engine.journal(run_id)]
+    assert "signal_rejected" in types and types.count("signal_received") == 1
+
+
+async def test_a_wait_times_out_at_the_virtual_time(engine: Engine, clock: ManualClock) -> None:
+    await register(engine, WAITER)
+    run_id, _ = await engine.start_run("approve")
+    await eventually(lambda: not run_actor_alive(engine, run_id))
+    clock.advance(59.999)
+    await anyio.sleep(0.05)
+    assert status(engine, run_id) == "waiting"
+    clock.advance(0.001)
+    view = await eventually(lambda: (v := engine.status(run_id))["status"] == "failed" and v)
+    assert view["error"]["reason"] == "wait_timeout"
+    with pytest.raises(RunTerminal):
+        await engine.signal(run_id, "approved", {})
+
+
+async def test_a_killed_run_actor_continues_from_storage(engine: Engine) -> None:
+    defn = {"name": "three", "steps": [{"id": f"s{i}", "kind": "task", "body": "b"} for i in range(3)]}
+    wid = await register(engine, defn)
+    run_id, _ = await engine.start_run("three")
+    await finish(engine, await claim_one(engine, wid), 1, {"x": 1})
+    lease = await claim_one(engine, wid)
+    await engine.kill(f"/runs/{run_id}")
+    await finish(engine, lease, 2)  # the lease survives its run actor's death
+    await engine.kill(f"/runs/{run_id}")
+    await finish(engine, await claim_one(engine, wid), 3)
+    view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
+    assert view["result"] == 3 and view["state"] == {"x": 1}
+    assert [e["type"] for e in engine.journal(run_id)].count("step_completed") == 3
+
+
+async def test_children_run_and_report_to_a_passivated_parent(engine: Engine) -> None:
+    child = {"name": "child", "steps": [{"id": "c", "kind": "task", "body": "c"}]}
+    parent = {"name": "parent", "steps": [
+        {"id": "kids", "kind": "start_workflows", "workflow": "child", "items": "${input}", "into": "out"},
+    ]}
+    wid = await register(engine, child, parent)
+    run_id, _ = await engine.start_run("parent", [1, 2, 3])
+    await eventually(lambda: not run_actor_alive(engine, run_id), what="the parent passivates")
+    for _ in range(3):
+        lease = await claim_one(engine, wid)
+        await finish(engine, lease, lease["input"] * 10)
+    view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
+    assert view["state"]["out"] == [10, 20, 30]
+    kids = [r for r in engine.list_runs(workflow="child")[0]]
+    assert sorted(r["parent_run_id"] for r in kids) == [run_id] * 3
+
+
+async def test_cancel_ends_the_run_and_its_children(engine: Engine) -> None:
+    child = {"name": "child", "steps": [{"id": "c", "kind": "task", "body": "c"}]}
+    parent = {"name": "parent", "steps": [
+        {"id": "kids", "kind": "start_workflows", "workflow": "child", "items": [1, 2]},
+    ]}
+    wid = await register(engine, child, parent)
+    run_id, _ = await engine.start_run("parent")
+    lease = await claim_one(engine, wid)
+    await engine.cancel(run_id, "stop")
+    await eventually(lambda: all(r["status"] == "cancelled" for r in engine.list_runs()[0]))
+    with pytest.raises(RunTerminal):
+        await finish(engine, lease, 1)
+    with pytest.raises(RunTerminal):
+        await engine.cancel(run_id)
+
+
+async def test_unknown_runs_are_not_found(engine: Engine) -> None:
+    with pytest.raises(NotFound):
+        engine.status("r_nope")
+    with pytest.raises(NotFound):
+        await engine.signal("r_nope", "x", 1)
