@@ -167,7 +167,9 @@ class Engine:
                     ChildSpec("recovery", lambda: RecoveryActor(engine)),
                 ],
                 strategy=Strategy.REST_FOR_ONE,
-                intensity=20,
+                # Killing actors on purpose is a feature (fault injection), so
+                # the root tolerates a lot before it gives up and stops the daemon.
+                intensity=100,
                 period=10.0,
             )
             system = ActorSystem(clock=clock, root=root)
@@ -232,7 +234,8 @@ class Engine:
         added = await self.storage.write(txn)
         for reg in added:
             self.catalog.add(reg)
-        await self._registry().tell(RegisterWorker(worker_id, name, frozenset(keys)))
+        # A registry that is restarting reloads this worker from the table.
+        self._tell_registry(RegisterWorker(worker_id, name, frozenset(keys)))
         return {
             "worker_id": worker_id,
             "lease_ttl_ms": self.config.lease_ttl_ms,
@@ -495,13 +498,21 @@ class Engine:
             return []
         hold_s = min(wait_ms, self.config.claim_hold_ms) / 1000
         deadline = anyio.current_time() + hold_s
-        registry = self._registry()
         while True:
             remaining = deadline - anyio.current_time()
             waiter = Waiter(worker_id, max, run_id) if remaining > 0 else None
             specs: list[AttemptSpec] = []
             try:
-                got = await registry.ask(Claim(worker_id, max, run_id, waiter))
+                try:
+                    got = await self._registry().ask(Claim(worker_id, max, run_id, waiter))
+                except ActorDead:
+                    # The registry is restarting (it reloads workers; runs re-announce).
+                    if waiter is not None:
+                        waiter.cancelled = True
+                    if anyio.current_time() >= deadline:
+                        return []
+                    await anyio.sleep(0.005)
+                    continue
                 if isinstance(got, Waiter):
                     with anyio.move_on_after(remaining):
                         await got.event.wait()
@@ -529,8 +540,12 @@ class Engine:
         done = 0
         try:
             for spec in specs:
-                lease = await self.ask_run(spec.run_id, Offer(spec, info["worker_id"], info["name"]),
-                                           quiet=True)
+                try:
+                    lease = await self.ask_run(
+                        spec.run_id, Offer(spec, info["worker_id"], info["name"]), quiet=True
+                    )
+                except Unavailable:
+                    lease = None  # the run re-announces its slot when its actor is back
                 done += 1
                 if lease is not None:
                     leases.append(lease)
@@ -612,11 +627,16 @@ class Engine:
             await self.system.kill(path)
         except ActorNotFound as exc:
             raise NotFound(f"no actor at {path!r}") from exc
+        except ActorDead as exc:
+            raise NotFound(f"no actor is running at {path!r} (it is being restarted)") from exc
         except ValueError as exc:
             raise Invalid(str(exc), field="path") from exc
 
     async def registry_stats(self) -> Stats:
-        return await self._registry().ask(RegistryStats())  # type: ignore[no-any-return]
+        try:
+            return await self._registry().ask(RegistryStats())  # type: ignore[no-any-return]
+        except ActorDead as exc:
+            raise Unavailable("the registry is restarting") from exc
 
     # ------------------------------------------------------------------ plumbing for actors
 
@@ -736,14 +756,14 @@ class Engine:
     async def wake_run(self, run_id: str, message: Any) -> None:
         """Make sure the run has an actor; then tell it `message` (if any)."""
         for attempt in range(RETRIES):
-            ref = await self._activate(run_id, None, expect_message=message is not None)
-            if message is None:
-                return
             try:
+                ref = await self._activate(run_id, None, expect_message=message is not None)
+                if message is None:
+                    return
                 await ref.tell(message)
                 return
-            except ActorDead:
-                await anyio.sleep(0.0005 * attempt)
+            except ActorDead:  # the run actor, or the runs supervisor, is restarting
+                await anyio.sleep(0.001 * attempt)
         raise Unavailable(f"run {run_id} did not come up to take {type(message).__name__}")
 
     tell_run = wake_run
@@ -751,11 +771,11 @@ class Engine:
     async def ask_run(self, run_id: str, message: Any, *, quiet: bool = False) -> Any:
         """Ask the run's actor (starting it if passivated), retrying across restarts."""
         for attempt in range(RETRIES):
-            ref = await self._activate(run_id, None, expect_message=True)
             try:
+                ref = await self._activate(run_id, None, expect_message=True)
                 return await ref.ask(message)
-            except ActorDead:
-                await anyio.sleep(0.0005 * attempt)
+            except ActorDead:  # the run actor, or the runs supervisor, is restarting
+                await anyio.sleep(0.001 * attempt)
             except Fenced:
                 if quiet:
                     return None
@@ -795,7 +815,8 @@ class PushSession:
         if self.closed or self.engine.closing:
             return
         self.waiter.credit += n
-        await self.engine._registry().ask(Claim(self.worker_id, n, None, self.waiter))
+        # A restarting registry gets every session's credit back from recovery.
+        self.engine._tell_registry(Claim(self.worker_id, n, None, self.waiter))
 
     def resubscribe(self) -> None:
         if not self.closed and self.waiter.credit > 0:

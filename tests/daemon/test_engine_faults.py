@@ -1,0 +1,97 @@
+"""Fault injection: kill the daemon's actors while runs execute; every run still finishes right.
+
+DESIGN.md: "killing any actor loses nothing acknowledged". A worker keeps
+working (and answers the 409s by the book) while a killer task kills run
+actors, lease actors, the registry, the runs and leases supervisors, the timer
+actor and the recovery actor at seeded random moments.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import anyio
+
+from stepd.actors import ManualClock
+from stepd.actors.daemon import Engine, EngineConfig
+from stepd.engine.errors import Conflict, NotFound, Unavailable
+from stepd.engine.lease import Op
+
+N = 40
+FLOW = {
+    "name": "flow",
+    "steps": [
+        {"id": "a", "kind": "task", "body": "inc", "input": "${input}"},
+        {"id": "nap", "kind": "sleep", "duration_ms": 500},
+        {"id": "fan", "kind": "for_each", "items": [1, 2, 3], "body": "inc", "into": "xs"},
+        {"id": "b", "kind": "task", "body": "inc", "input": "${steps.a}"},
+    ],
+}
+
+
+async def test_killing_actors_under_load_loses_nothing(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    clock = ManualClock(wall_ms=1_700_000_000_000)
+    config = EngineConfig(lease_ttl_ms=3_000, heartbeat_ms=1_000, recovery_window_ms=1_000)
+    kills: dict[str, int] = {}
+    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
+        wid = (await engine.register_worker(name="w", definitions=[FLOW]))["worker_id"]
+        runs = [(await engine.start_run("flow", i))[0] for i in range(N)]
+
+        def finished() -> bool:
+            return all(engine.status(r)["status"] in ("completed", "failed") for r in runs)
+
+        must = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+
+        async def killer() -> None:
+            while not finished():
+                await anyio.sleep(rng.uniform(0.002, 0.02))
+                tree = [n.statistics.path for n in engine.system.tree().walk()]
+                candidates = [p for p in tree if p.startswith(("/runs/", "/leases/"))]
+                if must and rng.random() < 0.3:
+                    candidates = [must.pop(0)]
+                    await anyio.sleep(0.05)
+                elif not candidates or rng.random() < 0.1:
+                    # The daemon's own actors, less often: each such kill restarts
+                    # everything after it (rest_for_one), within the root's intensity.
+                    candidates = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+                    await anyio.sleep(0.05)
+                path = rng.choice(candidates)
+                try:
+                    await engine.kill(path)
+                except NotFound:
+                    continue
+                kind = path if path.count("/") == 1 else path.rsplit("/", 1)[0] + "/*"
+                kills[kind] = kills.get(kind, 0) + 1
+
+        async def work() -> None:
+            while not finished():
+                try:
+                    leases = await engine.claim(wid, max=8)
+                except Unavailable:
+                    continue
+                if not leases:
+                    clock.advance(0.25)
+                    await anyio.sleep(0.003)
+                    continue
+                for lease in leases:
+                    try:
+                        await engine.lease_call(lease["lease_id"], Op.STARTED, {})
+                        await engine.lease_call(lease["lease_id"], Op.COMPLETE,
+                                                {"output": lease["input"] + 1})
+                    except (Conflict, Unavailable, NotFound):
+                        continue
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(killer)
+                tg.start_soon(work)
+        views = [engine.status(r) for r in runs]
+    assert [v["status"] for v in views] == ["completed"] * N, [v["error"] for v in views if v["error"]]
+    assert [v["result"] for v in views] == [i + 2 for i in range(N)]
+    assert [v["state"]["xs"] for v in views] == [[2, 3, 4]] * N
+    total = sum(kills.values())
+    print(f"\n{total} kills while {N} runs executed: {kills}; every run completed correctly")
+    assert total >= 10, kills
+    assert {"/registry", "/runs", "/leases", "/timers", "/recovery", "/runs/*"} <= set(kills), kills
