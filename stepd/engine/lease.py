@@ -154,6 +154,59 @@ def reject_reason(
     return None
 
 
+# --------------------------------------------------------------------------- the table
+
+_O, _S, _R = LeaseStatus.OFFERED, LeaseStatus.STARTED, LeaseStatus.ORPHANED
+
+#: (status, trigger) -> next status. `revive` returns to offered or started
+#: (whichever the lease was), so its target is None here. A pair that is not
+#: listed raises IllegalTransition and changes nothing.
+LEASE_TRANSITIONS: dict[tuple[LeaseStatus, str], LeaseStatus | None] = {
+    (_O, "started"): _S,
+    (_O, "heartbeat"): _O,
+    (_S, "started"): _S,
+    (_S, "heartbeat"): _S,
+    (_O, "expire"): _R,
+    (_S, "expire"): _R,
+    (_R, "revive"): None,
+    (_R, "recover"): LeaseStatus.FENCED,
+}
+for _live in (_O, _S, _R):
+    LEASE_TRANSITIONS[(_live, "complete")] = LeaseStatus.COMPLETED
+    LEASE_TRANSITIONS[(_live, "fail")] = LeaseStatus.FAILED
+    LEASE_TRANSITIONS[(_live, "fence")] = LeaseStatus.FENCED
+    LEASE_TRANSITIONS[(_live, "run_end")] = LeaseStatus.RUN_TERMINAL
+del _live
+
+_END_TRIGGER = {
+    LeaseStatus.COMPLETED: "complete",
+    LeaseStatus.FAILED: "fail",
+    LeaseStatus.FENCED: "fence",
+    LeaseStatus.RUN_TERMINAL: "run_end",
+}
+
+
+def _step(status: LeaseStatus, trigger: str, lease_id: str) -> LeaseStatus | None:
+    try:
+        return LEASE_TRANSITIONS[(status, trigger)]
+    except KeyError:
+        raise IllegalTransition(f"lease {lease_id}: {trigger} is not allowed when {status.value}") from None
+
+
+def lease_mermaid() -> str:
+    """The lease table as a Mermaid state diagram (docs/leases.md)."""
+    lines = ["stateDiagram-v2", "    [*] --> offered: claim"]
+    for (src, trigger), dst in LEASE_TRANSITIONS.items():
+        if dst is None:
+            lines.append(f"    {src.value} --> offered: {trigger} (never started)")
+            lines.append(f"    {src.value} --> started: {trigger} (had started)")
+        else:
+            lines.append(f"    {src.value} --> {dst.value}: {trigger}")
+    for end in (LeaseStatus.COMPLETED, LeaseStatus.FAILED, LeaseStatus.FENCED, LeaseStatus.RUN_TERMINAL):
+        lines.append(f"    {end.value} --> [*]")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- timing
 
 
@@ -216,12 +269,16 @@ class LeaseMachine:
             raise IllegalTransition(f"lease {r.lease_id} is {r.status.value}")
         actions: list[TimingAction] = []
         if r.status is LeaseStatus.ORPHANED:
+            _step(r.status, "revive", r.lease_id)
             r.status = LeaseStatus.STARTED if r.started else LeaseStatus.OFFERED
             self.recover_at = None
             actions.append(Revived())
-        if op is Op.STARTED:
-            r.started = True
-            r.status = LeaseStatus.STARTED
+        if op is Op.STARTED or op is Op.HEARTBEAT:
+            nxt = _step(r.status, op.value, r.lease_id)
+            assert nxt is not None
+            r.status = nxt
+            if op is Op.STARTED:
+                r.started = True
         self.expires_at = now + self.ttl_ms
         return actions
 
@@ -229,13 +286,13 @@ class LeaseMachine:
         """Time passed: expire or recover as due."""
         r = self.record
         if r.status in (LeaseStatus.OFFERED, LeaseStatus.STARTED) and now >= self.expires_at:
-            r.status = LeaseStatus.ORPHANED
+            r.status = _step(r.status, "expire", r.lease_id) or r.status
             self.recover_at = now + self.window_ms
             if self.window_ms > 0:
                 return [Orphaned()]
             return [Orphaned(), *self.tick(now)]
         if r.status is LeaseStatus.ORPHANED and self.recover_at is not None and now >= self.recover_at:
-            r.status = LeaseStatus.FENCED
+            r.status = _step(r.status, "recover", r.lease_id) or r.status
             r.ended_at = now
             self.recover_at = None
             return [Recover(started=r.started)]
@@ -243,8 +300,11 @@ class LeaseMachine:
 
     def end(self, status: LeaseStatus, now: int) -> None:
         """The lease ended (its own complete/fail, or the run superseded it)."""
-        if status.live:
+        trigger = _END_TRIGGER.get(status)
+        if trigger is None:
             raise IllegalTransition(f"cannot end lease {self.record.lease_id} as {status.value}")
+        nxt = _step(self.record.status, trigger, self.record.lease_id)
+        assert nxt is status
         self.record.status = status
         self.record.ended_at = now
         self.recover_at = None
