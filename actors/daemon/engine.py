@@ -129,6 +129,8 @@ class Engine:
         self._result_waiters: dict[str, anyio.Event] = {}
         self._cancel_listeners: dict[str, Callable[[str, str], None]] = {}
         self._sessions: set[PushSession] = set()
+        #: Leases with a live actor, by id (their actors keep this current).
+        self.live_leases: dict[str, LeaseRecord] = {}
         self.closing = False
         self.counters: dict[str, int] = {"runs_started": 0, "runs_ended": 0, "leases_offered": 0}
         self.run_to_complete: list[float] = []
@@ -259,18 +261,15 @@ class Engine:
     def workers(self) -> list[dict[str, Any]]:
         """GET /v1/api/workers: registered workers and the leases they hold."""
         held: dict[str, list[dict[str, Any]]] = {}
-        live: list[str] = []
-        try:
-            sup = self.system.supervisor("/leases")
-            live = [f"{c}" for c in sup.which_children()]
-        except (ActorNotFound, ActorDead):
-            pass
-        for lease_id in live:
-            raw = self.storage.get(store.LEASES, str(lease_id))
-            if isinstance(raw, dict):
-                held.setdefault(raw["worker_id"], []).append(
-                    {"lease_id": raw["lease_id"], "run_id": raw["run_id"], "step_id": raw["step_id"],
-                     "item_index": raw["item_index"], "status": raw["status"]})
+        for lease_id, rec in list(self.live_leases.items()):
+            if not self.lease_actor_alive(lease_id):
+                del self.live_leases[lease_id]  # killed with its supervisor: no on_stop ran
+                continue
+            if rec.status.live:
+                held.setdefault(rec.worker_id, []).append(
+                    {"lease_id": rec.lease_id, "run_id": rec.run_id, "step_id": rec.step_id,
+                     "item_index": rec.item_index, "status": rec.status.value,
+                     "attempt": rec.attempt, "fence": rec.fence})
         out = []
         for _, raw in self.storage.scan(store.WORKERS):
             if isinstance(raw, dict):
@@ -753,9 +752,15 @@ class Engine:
                 raise NotFound(f"run {run_id!r} not found") from exc
             raise
 
-    async def wake_run(self, run_id: str, message: Any) -> None:
+    def supervisors_alive(self) -> bool:
+        try:
+            return bool(self.system.resolve("/runs").alive and self.system.resolve("/leases").alive)
+        except ActorNotFound:
+            return False
+
+    async def wake_run(self, run_id: str, message: Any, *, retries: int = RETRIES) -> None:
         """Make sure the run has an actor; then tell it `message` (if any)."""
-        for attempt in range(RETRIES):
+        for attempt in range(retries):
             try:
                 ref = await self._activate(run_id, None, expect_message=message is not None)
                 if message is None:
@@ -838,6 +843,7 @@ class PushSession:
             return
         self.closed = True
         self.waiter.cancelled = True
+        self.waiter.credit = 0
         self.engine._tell_registry(CancelWait(self.waiter))
         self.engine._sessions.discard(self)
         leftover = []
@@ -847,6 +853,7 @@ class PushSession:
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
         self._send.close()
+        self._recv.close()
         if leftover:
             self.engine.announce(tuple(leftover), front=True)
 

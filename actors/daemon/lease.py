@@ -66,7 +66,11 @@ class LeaseActor(Actor):
         if not record.status.live:
             self.stop()
             return
+        e.live_leases[record.lease_id] = record
         self._arm()
+
+    async def on_stop(self, reason: BaseException | None) -> None:
+        self.engine.live_leases.pop(self._initial.lease_id, None)
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, LeaseCall):
@@ -103,7 +107,8 @@ class LeaseActor(Actor):
             final = None
         elif call.op is Op.COMPLETE:
             event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
-                                     body.get("state_patch"), body.get("usage"))
+                                     body.get("state_patch"), body.get("usage"),
+                                     body.get("spans"))
             final = LeaseStatus.COMPLETED
         else:
             event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],

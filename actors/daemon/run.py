@@ -36,7 +36,7 @@ from stepd.engine.events import (
     Transition,
     Withdraw,
 )
-from stepd.engine.lease import LeaseRecord, LeaseStatus
+from stepd.engine.lease import LeaseRecord, LeaseStatus, Op
 from stepd.engine.record import RunRecord
 from stepd.engine.run import RunMachine
 
@@ -211,6 +211,14 @@ class RunActor(Actor):
 
     async def _apply_attempt(self, msg: ApplyAttempt) -> None:
         tr = self.machine.handle(msg.event, self.clock.time_ms())  # Conflict: nothing changed
+        if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
+            # PROTOCOL.md asks only at_most_once `started` to be durable before
+            # the answer. For at_least_once nothing rests on it (recovery
+            # re-queues either way), so it is written behind, in order, and
+            # rides the next batch with the step's `complete`: one fsync per step.
+            self.engine.storage.write_deferred(store.apply_txn, self._write(tr, leases=[msg.lease]))
+            self._arm()
+            return
         try:
             await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
         except Conflict as exc:
