@@ -1,0 +1,108 @@
+"""The ``stepd`` command line: a click group, ``main``.
+
+Commands so far: ``serve`` (the daemon; docs/serve.md). Every ``serve`` flag
+can also be set from the environment as ``STEPD_<FLAG>`` (``--lease-ttl-ms``
+is ``STEPD_LEASE_TTL_MS``); a repeatable key flag takes a comma-separated list
+there (``STEPD_WORKER_KEY=key1,key2``). A flag given on the command line wins
+over the environment.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+__all__ = ["main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Key(click.ParamType):  # type: ignore[type-arg]
+    """An API key: one per flag, comma-separated in the environment."""
+
+    name = "KEY"
+    envvar_list_splitter = ","
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return value.strip() if isinstance(value, str) else value
+
+
+KEY = _Key()
+
+
+def _env(flag: str) -> str:
+    return "STEPD_" + flag.upper().replace("-", "_")
+
+
+def _option(flag: str, *names: str, **kwargs: Any) -> Callable[[F], F]:
+    return click.option(f"--{flag}", *names, envvar=_env(flag), show_envvar=True, **kwargs)
+
+
+def _key_option(scope: str) -> Callable[[F], F]:
+    return _option(f"{scope}-key", f"{scope}_keys", type=KEY, multiple=True, metavar="KEY",
+                   help=f"an API key of scope '{scope}' (repeatable)")
+
+
+@click.group()
+def main() -> None:
+    """stepd: a durable step orchestrator."""
+
+
+@main.command()
+@_option("data", type=click.Path(file_okay=False), required=True, metavar="DIR",
+         help="the data directory (created if missing)")
+@_option("host", default="127.0.0.1", show_default=True,
+         help="the address to listen on; without keys, only a loopback address is allowed")
+@_option("port", type=click.IntRange(0, 65535), default=7707, show_default=True,
+         help="the port (0: any free port; the listening line says which)")
+@_key_option("admin")
+@_key_option("write")
+@_key_option("worker")
+@_key_option("execute")
+@_key_option("read")
+@_option("lease-ttl-ms", type=click.IntRange(min=1), default=30_000, show_default=True,
+         help="a lease expires this long after its last heartbeat")
+@_option("heartbeat-ms", type=click.IntRange(min=1), default=10_000, show_default=True,
+         help="how often workers heartbeat (told to them at register)")
+@_option("recovery-window-ms", type=click.IntRange(min=0), default=5_000, show_default=True,
+         help="after expiry, how long a late heartbeat or complete still revives a lease")
+@_option("max-request-ms", type=click.IntRange(min=1), default=30_000, show_default=True,
+         help="the longest any HTTP request is held (claims hold 4/5 of it)")
+@_option("max-body-bytes", type=click.IntRange(min=1), default=8 << 20, show_default=True,
+         help="the largest request body and WebSocket message")
+@_option("prices", type=click.Path(exists=True, dir_okay=False), metavar="FILE", default=None,
+         help="a TOML price book (model -> price per million input/output tokens)")
+@_option("shutdown-grace-ms", type=click.IntRange(min=0), default=10_000, show_default=True,
+         help="on SIGTERM, how long to wait for calls in flight")
+@_option("ws-ping-interval-ms", type=click.IntRange(min=1), default=20_000, show_default=True,
+         help="WebSocket keepalive ping interval")
+@_option("ws-ping-timeout-ms", type=click.IntRange(min=1), default=20_000, show_default=True,
+         help="close a WebSocket whose peer does not answer a ping within this")
+@_option("log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+         default="warning", show_default=True, help="log level (stderr)")
+def serve(**options: Any) -> None:
+    """Run the daemon: the engine, the HTTP API and the worker WebSocket on one port.
+
+    SIGTERM shuts down in stages (503, no new leases, WebSockets closed with
+    1001, calls in flight finished, storage closed); a second SIGTERM cuts the
+    grace period short.
+    """
+    from stepd.daemon import ServeConfig, StartupError, run
+    from stepd.engine.errors import Invalid
+
+    for scope in ("admin", "write", "worker", "execute", "read"):
+        options[f"{scope}_keys"] = tuple(k for k in options[f"{scope}_keys"] if k)
+    config = ServeConfig(**options)
+    try:
+        code = run(config)
+    except Invalid as exc:
+        click.echo(f"stepd serve: {exc}", err=True)
+        sys.exit(2)
+    except StartupError as exc:
+        cause = f": {exc.__cause__}" if exc.__cause__ and str(exc.__cause__) else ""
+        click.echo(f"stepd serve: {exc}{cause}", err=True)
+        sys.exit(1)
+    sys.exit(code)

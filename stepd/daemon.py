@@ -1,0 +1,353 @@
+"""``stepd serve``: the engine and the network transports in one process, one event loop.
+
+`Daemon` opens the engine (`stepd.actors.daemon.Engine`) and runs uvicorn
+programmatically inside the same event loop (``uvicorn.Server.serve()`` in a
+task group next to the engine), serving the ASGI app of
+`stepd.transport.http` (HTTP and the worker WebSocket on one port). The
+network transport runs on asyncio (uvloop when installed): uvicorn is
+asyncio-only.
+
+Shutdown (STYLE.md rule 22), on SIGTERM or SIGINT (or `Daemon.request_stop`),
+in stages, each idempotent:
+
+1. stop accepting: every new request and WebSocket upgrade answers 503 (the
+   port stays open, so clients see a clear refusal rather than a reset);
+2. stop handing out leases: the engine stops offering, held claims and result
+   long-polls end (503), every WebSocket stops reading and pushing (its push
+   session returns unoffered slots to the queue);
+3. close WebSockets with 1001 once the frames they had in flight are answered;
+4. wait for the calls in flight (their commits) up to ``shutdown_grace_ms``;
+5. stop uvicorn, stop the actors, close the storage last (its writer drains
+   what was queued).
+
+A second signal, or the grace period running out, skips what is left of
+stage 4: uvicorn cancels the requests still running (their writes, once
+submitted, still commit: the storage never abandons a commit halfway) and
+stage 5 runs as usual.
+
+One line is printed on stdout once the port is open (tests wait for it)::
+
+    stepd listening on http://127.0.0.1:7707 data=/var/lib/stepd auth=on keys=3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import uvicorn
+
+from stepd.actors.daemon import Engine, EngineConfig
+from stepd.engine.pricing import PriceBook
+from stepd.transport.audit import AuditLog
+from stepd.transport.auth import KeyRing, check_bind_address
+from stepd.transport.http import create_app
+from stepd.transport.protocol import DEFAULT_MAX_BODY_BYTES, Protocol
+
+__all__ = ["Daemon", "ServeConfig", "StartupError", "run"]
+
+log = logging.getLogger("stepd.daemon")
+
+
+class StartupError(Exception):
+    """The daemon could not start serving (the port is taken, the data directory is in use)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything ``stepd serve`` takes (docs/serve.md lists flags and variables).
+
+    Attributes:
+        data: the data directory (created if missing).
+        host, port: where to listen (port 0: any free port; the line printed says which).
+        admin_keys, write_keys, worker_keys, execute_keys, read_keys: API keys per scope.
+        lease_ttl_ms, heartbeat_ms, recovery_window_ms, max_request_ms: the
+            protocol's numbers (PROTOCOL.md "Defaults").
+        max_body_bytes: the largest HTTP request body and WebSocket message.
+        prices: a TOML price book (`PriceBook.load`), or None.
+        shutdown_grace_ms: how long shutdown waits for calls in flight.
+        ws_ping_interval_ms, ws_ping_timeout_ms: WebSocket keepalive (a peer that
+            does not answer a ping within the timeout is closed).
+        ws_max_in_flight: request frames answered concurrently per WebSocket.
+        ws_max_queue: frames queued for sending per WebSocket.
+        log_level: the level of stepd's and uvicorn's logs.
+    """
+
+    data: str
+    host: str = "127.0.0.1"
+    port: int = 7707
+    admin_keys: tuple[str, ...] = ()
+    write_keys: tuple[str, ...] = ()
+    worker_keys: tuple[str, ...] = ()
+    execute_keys: tuple[str, ...] = ()
+    read_keys: tuple[str, ...] = ()
+    lease_ttl_ms: int = 30_000
+    heartbeat_ms: int = 10_000
+    recovery_window_ms: int = 5_000
+    max_request_ms: int = 30_000
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    prices: str | None = None
+    shutdown_grace_ms: int = 10_000
+    ws_ping_interval_ms: int = 20_000
+    ws_ping_timeout_ms: int = 20_000
+    ws_max_in_flight: int = 64
+    ws_max_queue: int = 256
+    log_level: str = "warning"
+
+    def keyring(self) -> KeyRing:
+        """The configured keys.
+
+        Raises:
+            Invalid: a key is empty or holds a character a Bearer token cannot carry.
+        """
+        return KeyRing.from_config(
+            admin=self.admin_keys, write=self.write_keys, worker=self.worker_keys,
+            execute=self.execute_keys, read=self.read_keys,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's numbers and price book.
+
+        Raises:
+            Invalid: a number out of range, or a price book that does not load.
+        """
+        prices = PriceBook.load(self.prices) if self.prices else PriceBook()
+        config = EngineConfig(
+            lease_ttl_ms=self.lease_ttl_ms, heartbeat_ms=self.heartbeat_ms,
+            recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
+            prices=prices,
+        )
+        config.check()
+        return config
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the daemon owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{port}"
+
+
+class Daemon:
+    """One ``stepd serve``: the engine, the protocol handler, uvicorn, and the staged shutdown.
+
+    Args:
+        config: the settings.
+        announce: called with the listening line once the port is open
+            (default: print it on stdout and flush).
+    """
+
+    def __init__(self, config: ServeConfig, *,
+                 announce: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.announce = announce or _print_line
+        self.url: str | None = None
+        self.port: int | None = None
+        self.protocol: Protocol | None = None
+        self.engine: Engine | None = None
+        self.forced = False
+        self._stop = anyio.Event()
+        self._force = anyio.Event()
+
+    # -- control -------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin the staged shutdown; called again, cut the grace period short.
+
+        Call from the daemon's event loop (signals are routed there).
+        """
+        if not self._stop.is_set():
+            log.warning("stepd: shutting down (again to force)")
+            self._stop.set()
+            if self.protocol is not None:
+                self.protocol.begin_drain()
+        else:
+            self.forced = True
+            self._force.set()
+
+    # -- the main task ---------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
+                  ) -> int:
+        """Serve until stopped; return the exit status (0).
+
+        Raises:
+            Invalid: a setting is out of range, or no key is configured and the
+                host is not loopback (``field="listen"``).
+            StartupError: the port could not be opened.
+            storage errors: the data directory could not be opened.
+        """
+        config = self.config
+        keyring = config.keyring()
+        check_bind_address(config.host, keyring)
+        engine_config = config.engine_config()
+        Path(config.data).mkdir(parents=True, exist_ok=True)
+        noise = _HandshakeNoise()
+        logging.getLogger("uvicorn.error").addFilter(noise)
+        async with Engine.open(config.data, config=engine_config) as engine:
+            self.engine = engine
+            protocol = Protocol(engine, keyring=keyring, audit=AuditLog(engine.storage),
+                                max_body_bytes=config.max_body_bytes)
+            self.protocol = protocol
+            app = create_app(protocol, max_in_flight=config.ws_max_in_flight,
+                             max_queue=config.ws_max_queue)
+            server = _Server(uvicorn.Config(
+                app, host=config.host, port=config.port, http="httptools",
+                ws="websockets-sansio", lifespan="off", log_config=None,
+                log_level=config.log_level, access_log=False, server_header=False,
+                ws_max_size=config.max_body_bytes + 4096,
+                ws_ping_interval=config.ws_ping_interval_ms / 1000,
+                ws_ping_timeout=config.ws_ping_timeout_ms / 1000,
+                ws_per_message_deflate=False,
+                timeout_graceful_shutdown=1,
+            ))
+            async with anyio.create_task_group() as tg:
+                served = anyio.Event()
+                failure: list[BaseException] = []
+                tg.start_soon(self._serve_uvicorn, server, served, failure)
+                while not server.started:
+                    if served.is_set():
+                        raise StartupError(
+                            f"cannot listen on {_url(config.host, config.port)}"
+                        ) from (failure[0] if failure else None)
+                    await anyio.sleep(0.002)
+                sockets = server.servers[0].sockets if server.servers else ()
+                self.port = sockets[0].getsockname()[1] if sockets else config.port
+                self.url = _url(config.host, self.port)
+                if self._stop.is_set():
+                    protocol.begin_drain()
+                self.announce(
+                    f"stepd listening on {self.url} data={engine.storage.path} "
+                    f"auth={'on' if keyring.enabled else 'off'} keys={len(keyring.key_ids())}"
+                )
+                task_status.started(self)
+                with _signals_to(self, tg):
+                    await self._stop.wait()
+                    await self._drain(protocol)
+                server.should_exit = True
+                if self.forced:
+                    server.force_exit = True
+                with anyio.move_on_after(5):
+                    await served.wait()
+                tg.cancel_scope.cancel()
+        return 0
+
+    async def _drain(self, protocol: Protocol) -> None:
+        """Stages 1-4: refuse, stop leasing, close WebSockets, wait for what is in flight.
+
+        The wait ends when nothing is in flight, when the grace period runs
+        out, or at a second signal; then what is still running is cancelled
+        (`Protocol.abort`: HTTP calls answer 503, WebSockets end).
+        """
+        protocol.begin_drain()
+        quiet = False
+        with anyio.move_on_after(self.config.shutdown_grace_ms / 1000):
+            async with anyio.create_task_group() as tg:
+
+                async def cut_short() -> None:
+                    await self._force.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(cut_short)
+                await protocol.wait_quiet()
+                quiet = True
+                tg.cancel_scope.cancel()
+        if not quiet:
+            self.forced = True
+            log.warning("stepd: stopping %d call(s) still in flight", protocol.inflight)
+            protocol.abort()
+            with anyio.move_on_after(1.0):
+                await protocol.wait_quiet()
+
+    async def _serve_uvicorn(self, server: _Server, served: anyio.Event,
+                             failure: list[BaseException]) -> None:
+        try:
+            await server.serve()
+        except SystemExit as exc:  # uvicorn exits when it cannot bind
+            failure.append(exc)
+        except Exception as exc:
+            if server.started:
+                raise
+            failure.append(exc)
+        finally:
+            served.set()
+
+
+@contextlib.contextmanager
+def _signals_to(daemon: Daemon, tg: anyio.abc.TaskGroup) -> Iterator[None]:
+    """Route SIGTERM and SIGINT to `Daemon.request_stop` while the daemon serves.
+
+    Only the main thread can receive signals; elsewhere (a daemon started by a
+    test in a thread) `Daemon.request_stop` is the only way to stop it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    scope = anyio.CancelScope()
+
+    async def watch() -> None:
+        with scope, anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                daemon.request_stop()
+
+    tg.start_soon(watch)
+    try:
+        yield
+    finally:
+        scope.cancel()
+
+
+class _HandshakeNoise(logging.Filter):
+    """Drop uvicorn's false alarm after a refused WebSocket upgrade.
+
+    uvicorn's sans-I/O WebSocket protocol logs "ASGI callable returned without
+    completing handshake." after an app refused the upgrade with an HTTP answer
+    (the ``websocket.http.response`` extension), which is how the daemon
+    answers 401/403/400/503 on ``/v1/api/workers/connect``. The app always
+    accepts or refuses, so the message says nothing here.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def _backend_options() -> dict[str, Any]:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return {}
+    return {"use_uvloop": True}
+
+
+def run(config: ServeConfig) -> int:
+    """Run a daemon in a new event loop (asyncio, uvloop when installed) until it stops.
+
+    Returns:
+        The exit status: 0 after a shutdown (staged or forced).
+
+    Raises:
+        Invalid, StartupError, storage errors: see `Daemon.run`.
+    """
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemon = Daemon(config)
+    return anyio.run(daemon.run, backend="asyncio", backend_options=_backend_options())
+

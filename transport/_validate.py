@@ -1,0 +1,407 @@
+"""Request validation shared by every transport: strict JSON, ids, bodies, query parameters.
+
+One parser per request body of ``transport/openapi.json`` (``parse_register``,
+``parse_claim``, ...). Each refuses what the document refuses: keys it does not
+define (at every level except free JSON: ``input``, ``output``, ``payload``,
+``progress``, ``correlation``, state patch values, span attributes, the
+settings of a manifest capability), wrong types (a bool is not an integer;
+``3.0`` is), values out of range, and raises one `Invalid` naming the field
+(``error.class``, ``spans[0].usage.model``). Definitions are left to the
+engine's own parser (`stepd.engine.definition.parse_definition`).
+
+Private to `stepd.transport.protocol`, which re-exports what transports use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Final, TypeGuard
+
+from stepd.engine.errors import Invalid, field_path
+
+NO_BODY: Final = object()
+"""The ``body`` of a call that carried none (an empty HTTP body)."""
+
+MAX_CLAIM: Final = 1000
+"""A claim offers at most this many leases at once (``max`` above it is capped: "up to")."""
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_json(data: bytes | str) -> Any:
+    """Parse a JSON document strictly (no ``NaN``/``Infinity``).
+
+    Raises:
+        Invalid: not UTF-8, not JSON (``field`` None; the message says where).
+    """
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as exc:
+        raise Invalid(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise Invalid(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise Invalid("the body is not valid JSON: nested too deeply") from None
+
+
+JSON_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def encode_json(value: Any) -> bytes:
+    """Encode an answer as compact UTF-8 JSON."""
+    return JSON_ENCODER.encode(value).encode("utf-8")
+
+
+def copy_json(value: Any) -> Any:
+    """A deep copy through JSON: what crosses a transport never shares a dict.
+
+    Raises:
+        Invalid: ``value`` is not JSON (bytes, NaN, a non-string key...).
+    """
+    try:
+        text = JSON_ENCODER.encode(value)
+    except (TypeError, ValueError) as exc:
+        raise Invalid(f"not JSON: {exc}") from None
+    return json.loads(text)
+
+
+
+
+# --------------------------------------------------------------------------- validation
+
+RUN_ID: Final = re.compile(r"r_[0-9A-Za-z][0-9A-Za-z._@-]*")
+LEASE_ID: Final = re.compile(r"l_[0-9A-Za-z]+")
+WORKER_ID: Final = re.compile(r"w_[0-9A-Za-z]+")
+PROTOCOL_VERSION: Final = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
+HEX16: Final = re.compile(r"[0-9a-f]{16}")
+_DIGITS: Final = re.compile(r"-?[0-9]{1,18}")
+
+RUN_STATUSES: Final = frozenset(
+    {"running", "waiting", "sleeping", "completed", "failed", "cancelled", "timed_out"}
+)
+TERMINAL: Final = frozenset({"completed", "failed", "cancelled", "timed_out"})
+CAPABILITIES: Final = ("local_steps", "sessions", "sticky")
+
+_MISSING: Final = object()
+
+
+def is_run_id(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 3 <= len(value) <= 512 and RUN_ID.fullmatch(value) is not None
+
+
+def is_lease_id(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 3 <= len(value) <= 64 and LEASE_ID.fullmatch(value) is not None
+
+
+def is_worker_id(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 3 <= len(value) <= 64 and WORKER_ID.fullmatch(value) is not None
+
+
+def _obj(value: Any, field: str | None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        if field is None:
+            raise Invalid("the body must be a JSON object")
+        raise Invalid("must be an object", field=field)
+    return value
+
+
+def _closed(obj: Mapping[str, Any], allowed: frozenset[str], prefix: str) -> None:
+    """Refuse the first key ``obj`` holds that ``allowed`` does not (400 naming it)."""
+    for key in obj:
+        if key not in allowed:
+            raise Invalid("unknown key", field=field_path(prefix, key))
+
+
+def _required(obj: Mapping[str, Any], key: str, prefix: str) -> Any:
+    value = obj.get(key, _MISSING)
+    if value is _MISSING:
+        raise Invalid("is required", field=field_path(prefix, key))
+    return value
+
+
+def check_int(value: Any, field: str, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """A JSON integer (``3`` or ``3.0``; never a bool) within bounds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Invalid("must be an integer", field=field)
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise Invalid("must be an integer", field=field)
+    number = int(value)
+    if minimum is not None and number < minimum:
+        raise Invalid(f"must be >= {minimum}", field=field)
+    if maximum is not None and number > maximum:
+        raise Invalid(f"must be <= {maximum}", field=field)
+    return number
+
+
+def check_name(value: Any, field: str) -> str:
+    """A non-empty name of at most 128 characters and 128 bytes of UTF-8 (OpenAPI ``Name``)."""
+    if not isinstance(value, str):
+        raise Invalid("must be a string", field=field)
+    if not value:
+        raise Invalid("must not be empty", field=field)
+    if len(value) > 128 or len(value.encode("utf-8", "surrogatepass")) > 128:
+        raise Invalid("must be at most 128 bytes of UTF-8", field=field)
+    return value
+
+
+def optional_name(value: Any, field: str) -> str | None:
+    return None if value is None else check_name(value, field)
+
+
+def _pattern(value: Any, field: str, pattern: re.Pattern[str], what: str, max_len: int) -> str:
+    if not isinstance(value, str) or len(value) > max_len or pattern.fullmatch(value) is None:
+        raise Invalid(f"must be {what}", field=field)
+    return value
+
+
+def _usage(value: Any, field: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    u = _obj(value, field)
+    _closed(u, frozenset({"model", "input_tokens", "output_tokens"}), field)
+    out: dict[str, Any] = {}
+    if "model" in u:
+        out["model"] = optional_name(u["model"], field_path(field, "model"))
+    if "input_tokens" in u:
+        out["input_tokens"] = check_int(u["input_tokens"], field_path(field, "input_tokens"), minimum=0)
+    if "output_tokens" in u:
+        out["output_tokens"] = check_int(u["output_tokens"], field_path(field, "output_tokens"),
+                                    minimum=0)
+    return out
+
+
+_SPAN_KEYS: Final = frozenset(
+    {"span_id", "parent_span_id", "name", "start_ms", "end_ms", "attributes", "usage"}
+)
+
+
+def _span(value: Any, field: str) -> dict[str, Any]:
+    s = _obj(value, field)
+    _closed(s, _SPAN_KEYS, field)
+    out = dict(s)
+    out["span_id"] = _pattern(_required(s, "span_id", field), field_path(field, "span_id"), HEX16,
+                              "16 lowercase hex digits", 16)
+    if s.get("parent_span_id") is not None:
+        _pattern(s["parent_span_id"], field_path(field, "parent_span_id"), HEX16,
+                 "16 lowercase hex digits or null", 16)
+    name = _required(s, "name", field)
+    if not isinstance(name, str) or not name:
+        raise Invalid("must be a non-empty string", field=field_path(field, "name"))
+    out["start_ms"] = check_int(_required(s, "start_ms", field), field_path(field, "start_ms"), minimum=0)
+    out["end_ms"] = check_int(_required(s, "end_ms", field), field_path(field, "end_ms"), minimum=0)
+    if "attributes" in s and not isinstance(s["attributes"], dict):
+        raise Invalid("must be an object", field=field_path(field, "attributes"))
+    if "usage" in s:
+        out["usage"] = _usage(s["usage"], field_path(field, "usage"))
+    return out
+
+
+def _body_or_empty(body: Any) -> dict[str, Any]:
+    """The body of a call whose body may be omitted (``started``, ``heartbeat``, ``cancel``)."""
+    if body is NO_BODY:
+        return {}
+    return _obj(body, None)
+
+
+def _body(body: Any) -> dict[str, Any]:
+    if body is NO_BODY:
+        raise Invalid("a JSON object body is required")
+    return _obj(body, None)
+
+
+# -- one parser per request body (OpenAPI components/schemas/*Request) ---------------------
+
+_REGISTER_KEYS: Final = frozenset(
+    {"name", "worker_id", "build_id", "protocol_version", "concurrency", "definitions",
+     "capabilities", "manifest"}
+)
+
+
+def parse_register(body: Any) -> dict[str, Any]:
+    """``RegisterRequest`` -> keyword arguments of `Engine.register_worker`.
+
+    Definitions themselves are validated by the engine's parser (400 naming the
+    definition and the field, ``definitions[0].steps[1].kind``).
+    """
+    b = _body(body)
+    _closed(b, _REGISTER_KEYS, "")
+    definitions = _required(b, "definitions", "")
+    if not isinstance(definitions, list):
+        raise Invalid("must be an array", field="definitions")
+    out: dict[str, Any] = {"definitions": definitions}
+    if "name" in b:
+        out["name"] = check_name(b["name"], "name")
+    if "worker_id" in b:
+        out["worker_id"] = _pattern(b["worker_id"], "worker_id", WORKER_ID,
+                                    "a worker id returned by an earlier register (w_...)", 64)
+    if "build_id" in b:
+        out["build_id"] = check_name(b["build_id"], "build_id")
+    if "protocol_version" in b:
+        out["protocol_version"] = _pattern(b["protocol_version"], "protocol_version",
+                                           PROTOCOL_VERSION, 'a "MAJOR.MINOR" string', 9)
+    if "concurrency" in b:
+        out["concurrency"] = check_int(b["concurrency"], "concurrency", minimum=1)
+    if "capabilities" in b:
+        caps = b["capabilities"]
+        if not isinstance(caps, list):
+            raise Invalid("must be an array", field="capabilities")
+        for i, cap in enumerate(caps):
+            if cap not in CAPABILITIES:
+                raise Invalid(f"must be one of {', '.join(CAPABILITIES)}",
+                              field=f"capabilities[{i}]")
+        if len(set(caps)) != len(caps):
+            raise Invalid("must not repeat a capability", field="capabilities")
+        out["capabilities"] = caps
+    if "manifest" in b:
+        manifest = _obj(b["manifest"], "manifest")
+        _closed(manifest, frozenset(CAPABILITIES), "manifest")
+        for cap in CAPABILITIES:
+            entry = _obj(_required(manifest, cap, "manifest"), f"manifest.{cap}")
+            if entry.get("status", _MISSING) not in ("supported", "rejected"):
+                raise Invalid('must be "supported" or "rejected"', field=f"manifest.{cap}.status")
+        out["manifest"] = manifest
+    return out
+
+
+def parse_claim(body: Any) -> dict[str, Any]:
+    """``ClaimRequest`` -> ``worker_id, max, wait_ms, run_id`` (``max`` capped at `MAX_CLAIM`)."""
+    b = _body(body)
+    _closed(b, frozenset({"worker_id", "max", "wait_ms", "run_id"}), "")
+    worker_id = _pattern(_required(b, "worker_id", ""), "worker_id", WORKER_ID,
+                         "a worker id (w_...)", 64)
+    max_n = check_int(b.get("max", 1), "max", minimum=1)
+    wait_ms = check_int(b.get("wait_ms", 0), "wait_ms", minimum=0)
+    run_id = b.get("run_id")
+    if run_id is not None and not is_run_id(run_id):
+        raise Invalid("must be a run id (r_...) or null", field="run_id")
+    return {"worker_id": worker_id, "max": min(max_n, MAX_CLAIM), "wait_ms": wait_ms,
+            "run_id": run_id}
+
+
+def parse_started(body: Any) -> dict[str, Any]:
+    """``StartedRequest``: ``{}`` (or no body)."""
+    _closed(_body_or_empty(body), frozenset(), "")
+    return {}
+
+
+def parse_heartbeat(body: Any) -> dict[str, Any]:
+    """``HeartbeatRequest``: ``{"progress"?}`` (or no body)."""
+    b = _body_or_empty(body)
+    _closed(b, frozenset({"progress"}), "")
+    return {"progress": b["progress"]} if "progress" in b else {}
+
+
+def parse_complete(body: Any) -> dict[str, Any]:
+    """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``)."""
+    b = _body(body)
+    _closed(b, frozenset({"output", "state_patch", "usage", "spans"}), "")
+    state_patch = b.get("state_patch")
+    if state_patch is not None and not isinstance(state_patch, dict):
+        raise Invalid("must be an object or null", field="state_patch")
+    spans = b.get("spans", [])
+    if not isinstance(spans, list):
+        raise Invalid("must be an array", field="spans")
+    return {
+        "output": b.get("output"),
+        "state_patch": state_patch,
+        "usage": _usage(b.get("usage"), "usage"),
+        "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
+    }
+
+
+def parse_fail(body: Any) -> dict[str, Any]:
+    """``FailRequest`` -> the engine's fail body (wire ``error.class`` is ``error_class``)."""
+    b = _body(body)
+    _closed(b, frozenset({"error"}), "")
+    error = _obj(_required(b, "error", ""), "error")
+    _closed(error, frozenset({"class", "message"}), "error")
+    error_class = check_name(_required(error, "class", "error"), "error.class")
+    message = error.get("message", "")
+    if not isinstance(message, str):
+        raise Invalid("must be a string", field="error.message")
+    return {"error_class": error_class, "message": message}
+
+
+_START_KEYS: Final = frozenset(
+    {"workflow", "version", "input", "correlation", "idempotency_key", "deadline_ms"}
+)
+
+
+def parse_start_run(body: Any) -> dict[str, Any]:
+    """``StartRunRequest`` -> arguments of `Engine.start_run`."""
+    b = _body(body)
+    _closed(b, _START_KEYS, "")
+    workflow = check_name(_required(b, "workflow", ""), "workflow")
+    input_ = _required(b, "input", "")
+    key = b.get("idempotency_key")
+    if key is not None:
+        if not isinstance(key, str) or not key:
+            raise Invalid("must be a non-empty string or null", field="idempotency_key")
+        if len(key) > 256 or len(key.encode("utf-8", "surrogatepass")) > 256:
+            raise Invalid("must be at most 256 bytes of UTF-8", field="idempotency_key")
+    deadline = b.get("deadline_ms")
+    if deadline is not None:
+        deadline = check_int(deadline, "deadline_ms", minimum=1)
+    return {
+        "workflow": workflow,
+        "input": input_,
+        "version": optional_name(b.get("version"), "version"),
+        "correlation": b.get("correlation"),
+        "idempotency_key": key,
+        "deadline_ms": deadline,
+    }
+
+
+def parse_signal(body: Any) -> dict[str, Any]:
+    """``SignalRequest``: ``{"name", "payload"?}``."""
+    b = _body(body)
+    _closed(b, frozenset({"name", "payload"}), "")
+    return {"name": check_name(_required(b, "name", ""), "name"), "payload": b.get("payload")}
+
+
+def parse_cancel(body: Any) -> dict[str, Any]:
+    """``CancelRequest``: ``{}`` (or no body)."""
+    _closed(_body_or_empty(body), frozenset(), "")
+    return {}
+
+
+def parse_kill(body: Any) -> str:
+    """``KillRequest`` -> the actor path."""
+    b = _body(body)
+    _closed(b, frozenset({"path"}), "")
+    path = _required(b, "path", "")
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > 1024:
+        raise Invalid("must be an actor path such as /runs/r_...", field="path")
+    return path
+
+
+# -- query parameters (strings over HTTP; ints or strings in process) -----------------------
+
+
+def query_int(query: Mapping[str, Any], key: str, default: int, *, minimum: int,
+               maximum: int | None = None) -> int:
+    raw = query.get(key)
+    if raw is None:
+        return default
+    if isinstance(raw, str):
+        if _DIGITS.fullmatch(raw) is None:
+            raise Invalid("must be an integer", field=key)
+        raw = int(raw)
+    return check_int(raw, key, minimum=minimum, maximum=maximum)
+
+
+def query_str(query: Mapping[str, Any], key: str) -> str | None:
+    raw = query.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise Invalid("must be a string", field=key)
+    return raw

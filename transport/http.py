@@ -1,0 +1,388 @@
+"""The HTTP face of the daemon: a raw ASGI app over the shared `Protocol`.
+
+Every endpoint of PROTOCOL.md (and ``transport/openapi.json``) on one ASGI
+callable, for uvicorn (``http="httptools"``, ``loop="uvloop"`` where
+available); the worker WebSocket (`stepd.transport.websocket`) is served by the
+same app on the same port. No framework sits on the hot path: a request is one
+dict lookup (static paths) or a split and a match (paths with an id), one
+authorization, one body read, one `Protocol.handle`, one response.
+
+What this module adds to `Protocol`, and nothing more (STYLE.md rule 20):
+
+* routing: ``(method, path)`` -> `Operation` and the path id; an unknown path
+  is 404, a known path with another method 405 (with ``Allow``);
+* the body: a ``Content-Length`` over ``max_body_bytes`` is refused before a
+  byte is read, and a body streamed without one is counted as it arrives:
+  413 either way (``Connection: close``: the rest is never read); malformed
+  JSON is 400 naming the problem (`stepd.transport.protocol.decode_json`);
+* long-polls (``claim``, ``result?wait_ms=``) end when the client disconnects
+  (``http.disconnect``): the engine call is cancelled (a claim cancelled so
+  returns the slots it had not offered yet) and nothing is sent;
+* ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``;
+* 503 for everything once the daemon drains;
+* ``stepd_http_requests_total{route, status}`` for every answer (``499``: the
+  client went away before the answer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final
+from urllib.parse import parse_qsl
+
+import anyio
+
+from stepd.engine.errors import Invalid, NotFound, StepdError, Unavailable
+
+from .auth import Forbidden, Unauthorized
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .openapi import openapi_bytes
+from .protocol import (
+    LONG_POLLS,
+    NO_BODY,
+    SPECS,
+    CrossSite,
+    Operation,
+    Protocol,
+    Reply,
+    TooLarge,
+    decode_json,
+    encode_json,
+    error_reply,
+)
+from .websocket import WorkerSockets
+
+__all__ = ["HttpApp", "create_app"]
+
+log = logging.getLogger("stepd.transport.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_JSON: Final = (b"content-type", b"application/json")
+
+
+class _Special:
+    """An endpoint that is not a protocol operation (health, metrics, the document)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+HEALTHZ: Final = _Special("healthz")
+METRICS: Final = _Special("metrics")
+OPENAPI: Final = _Special("openapi")
+CONNECT: Final = _Special("connect")
+
+Handler = Operation | _Special
+
+
+def _as_handler(op: Operation) -> Handler:
+    return op
+
+Route = tuple[str, dict[str, Handler], str | None]  # (template, method -> handler, path id)
+
+_STATIC_METHODS: Final[dict[str, dict[str, Handler]]] = {
+        "/v1/api/workers/register": {"POST": Operation.REGISTER},
+        "/v1/api/workers": {"GET": Operation.LIST_WORKERS},
+        "/v1/api/workers/connect": {"GET": CONNECT},
+        "/v1/api/steps/claim": {"POST": Operation.CLAIM},
+        "/v1/api/runs": {"POST": Operation.START_RUN, "GET": Operation.LIST_RUNS},
+        "/v1/api/audit": {"GET": Operation.AUDIT},
+        "/v1/api/actors": {"GET": Operation.ACTORS},
+        "/v1/api/actors/kill": {"POST": Operation.KILL},
+        "/healthz": {"GET": HEALTHZ},
+        "/metrics": {"GET": METRICS},
+        "/openapi.json": {"GET": OPENAPI},
+}
+_STATIC: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
+    path: (path, methods) for path, methods in _STATIC_METHODS.items()
+}
+
+_LEASE_ROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
+    name: (f"/v1/api/steps/{{lease}}/{name}", {"POST": _as_handler(op)})
+    for name, op in (
+        ("started", Operation.STARTED),
+        ("heartbeat", Operation.HEARTBEAT),
+        ("complete", Operation.COMPLETE),
+        ("fail", Operation.FAIL),
+    )
+}
+_RUN_ROUTE: Final[tuple[str, dict[str, Handler]]] = (
+    "/v1/api/runs/{run}", {"GET": Operation.GET_RUN})
+_RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
+    name: (f"/v1/api/runs/{{run}}/{name}", {method: _as_handler(op)})
+    for name, method, op in (
+        ("journal", "GET", Operation.JOURNAL),
+        ("export", "GET", Operation.EXPORT),
+        ("result", "GET", Operation.RESULT),
+        ("signal", "POST", Operation.SIGNAL),
+        ("cancel", "POST", Operation.CANCEL),
+    )
+}
+
+
+def route(path: str) -> Route | None:
+    """The route of a path: its template, its methods, and the id it names (if any)."""
+    static = _STATIC.get(path)
+    if static is not None:
+        return static[0], static[1], None
+    if path.startswith("/v1/api/steps/"):
+        parts = path[len("/v1/api/steps/"):].split("/")
+        if len(parts) == 2 and parts[0]:
+            found = _LEASE_ROUTES.get(parts[1])
+            if found is not None:
+                return found[0], found[1], parts[0]
+        return None
+    if path.startswith("/v1/api/runs/"):
+        parts = path[len("/v1/api/runs/"):].split("/")
+        if not parts[0]:
+            return None
+        if len(parts) == 1:
+            return _RUN_ROUTE[0], _RUN_ROUTE[1], parts[0]
+        if len(parts) == 2:
+            found = _RUN_SUBROUTES.get(parts[1])
+            if found is not None:
+                return found[0], found[1], parts[0]
+    return None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the request was answered."""
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _text_header(scope: Scope, name: bytes) -> str | None:
+    value = _header(scope, name)
+    return None if value is None else value.decode("latin-1")
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refused past ``limit`` bytes (announced or streamed).
+
+    Raises:
+        TooLarge: over the limit.
+        Invalid: a malformed ``Content-Length``.
+        _ClientGone: the client disconnected meanwhile.
+    """
+    declared = _header(scope, b"content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise Invalid("malformed Content-Length header") from None
+        if length > limit:
+            raise TooLarge(f"the body ({length} bytes) is over the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "http.disconnect":
+            raise _ClientGone
+        if kind != "http.request":
+            continue
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _until_disconnect(receive: Receive, fn: Callable[[], Awaitable[Reply]]) -> Reply | None:
+    """Run ``fn``; cancel it and return None if the client disconnects first.
+
+    The body has been read already, so the next ``http.disconnect`` is the
+    client going away (PROTOCOL.md: an abandoned long-poll must not hold work).
+    """
+    result: list[Reply] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        result.append(await fn())
+        tg.cancel_scope.cancel()
+    return result[0] if result else None
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_reply(send: Send, reply: Reply, *, close: bool = False) -> None:
+    headers = [_JSON, *reply.headers]
+    if close:
+        headers.append((b"connection", b"close"))
+    await _send(send, reply.status, encode_json(reply.body), headers)
+
+
+class HttpApp:
+    """The daemon's ASGI application: HTTP endpoints and the worker WebSocket.
+
+    Args:
+        protocol: the shared protocol handler.
+        sockets: the WebSocket endpoint (created from ``protocol`` when omitted).
+    """
+
+    def __init__(self, protocol: Protocol, *, sockets: WorkerSockets | None = None) -> None:
+        self.protocol = protocol
+        self.sockets = sockets if sockets is not None else WorkerSockets(protocol)
+        self._requests = protocol.metrics.requests_total
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self.sockets(scope, receive, send)
+        elif kind == "lifespan":
+            await _lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        found = route(scope["path"])
+        if found is None:
+            await _send_reply(send, error_reply(NotFound(f"no such endpoint: {scope['path']}")))
+            self._requests.labels("unmatched", "404").inc()
+            return
+        template, methods, target = found
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allow = ", ".join(sorted(methods)).encode()
+            body = {"error": "method_not_allowed",
+                    "message": f"{scope['method']} is not allowed here; use {allow.decode()}"}
+            await _send(send, 405, encode_json(body), [_JSON, (b"allow", allow)])
+            self._requests.labels(template, "405").inc()
+            return
+        protocol = self.protocol
+        if protocol.draining:
+            status = await self._answer(send, error_reply(Unavailable("the daemon is shutting down")))
+            self._requests.labels(template, str(status)).inc()
+            return
+        started: list[bool] = []
+
+        async def tracked_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                started.append(True)
+            await send(message)
+
+        status = 503
+        with protocol.tracking() as call:
+            try:
+                status = await self._dispatch(scope, receive, tracked_send, handler, target)
+            except _ClientGone:
+                status = 499
+        if call.cancelled_caught and not started:
+            # The grace period of a shutdown ran out while this call was in flight.
+            status = await self._answer(send, error_reply(Unavailable(
+                "the daemon is shutting down")), close=True)
+        self._requests.labels(template, str(status)).inc()
+
+    async def _answer(self, send: Send, reply: Reply, *, close: bool = False) -> int:
+        await _send_reply(send, reply, close=close)
+        return reply.status
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send, handler: Handler,
+                        target: str | None) -> int:
+        if handler is HEALTHZ:
+            return await self._answer(send, Reply(200, {"status": "ok"}))
+        if handler is METRICS:
+            text = (await self.protocol.render_metrics()).encode("utf-8")
+            await _send(send, 200, text, [(b"content-type", METRICS_CONTENT_TYPE.encode())])
+            return 200
+        if handler is OPENAPI:
+            await _send(send, 200, openapi_bytes(), [_JSON])
+            return 200
+        if handler is CONNECT:
+            upgrade = {"error": "upgrade_required",
+                       "message": "this endpoint is the worker WebSocket: send an Upgrade request"}
+            await _send(send, 426, encode_json(upgrade), [_JSON, (b"upgrade", b"websocket")])
+            return 426
+        assert isinstance(handler, Operation)
+        op = handler
+        protocol = self.protocol
+        try:
+            protocol.check_keyless(_text_header(scope, b"host"), _text_header(scope, b"origin"))
+        except CrossSite as exc:
+            return await self._answer(send, error_reply(exc))
+        try:
+            principal = protocol.authorize(op, _text_header(scope, b"authorization"))
+        except (Unauthorized, Forbidden) as exc:
+            return await self._answer(send, await protocol.refused(op, exc, target))
+
+        body: Any = NO_BODY
+        error: StepdError | None = None
+        if SPECS[op].body != "none":
+            try:
+                raw = await _read_body(scope, receive, protocol.max_body_bytes)
+                if raw.strip():
+                    body = decode_json(raw)
+            except (TooLarge, Invalid) as exc:
+                error = exc
+        query = _query(scope) if scope["query_string"] else {}
+
+        async def run() -> Reply:
+            return await protocol.handle(op, principal, target=target, query=query, body=body,
+                                         error=error)
+
+        if op in LONG_POLLS and error is None:
+            reply = await _until_disconnect(receive, run)
+            if reply is None:
+                raise _ClientGone
+        else:
+            reply = await run()
+        return await self._answer(send, reply, close=isinstance(error, TooLarge))
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    text = scope["query_string"].decode("latin-1")
+    return dict(parse_qsl(text, keep_blank_values=True, errors="replace"))
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """A minimal lifespan: the daemon starts and stops the engine itself."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def create_app(protocol: Protocol, *, max_in_flight: int = 64, max_queue: int = 256) -> HttpApp:
+    """The daemon's ASGI app over ``protocol`` (HTTP and the worker WebSocket).
+
+    Args:
+        protocol: the shared protocol handler.
+        max_in_flight: WebSocket request frames answered concurrently per connection.
+        max_queue: frames queued for sending per WebSocket connection.
+    """
+    return HttpApp(
+        protocol,
+        sockets=WorkerSockets(protocol, max_in_flight=max_in_flight, max_queue=max_queue),
+    )

@@ -1,0 +1,153 @@
+"""The protocol without sockets, for the embedded daemon (``stepd.embedded(path)``).
+
+`InProcess` has one async method per operation of the HTTP API. Each takes
+what the HTTP request carries (the path id, the query parameters, the JSON
+body as a dict) and returns what the HTTP answer carries (the JSON body as a
+dict), through the same `Protocol.call` the HTTP and WebSocket transports use:
+the same validation, the same engine calls, the same audit entries. Where HTTP
+answers with an error status, these methods raise the error itself
+(`stepd.engine.errors.Invalid`, `NotFound`, the `Conflict` subclasses,
+`SignalRefused`, `Unprocessable`, `Unavailable`, `stepd.transport.protocol.TooLarge`,
+`stepd.transport.auth.Unauthorized` / `Forbidden`), with the same fields the
+HTTP error body shows (`stepd.transport.protocol.error_reply` maps one to the
+other).
+
+Values cross by copy: every body goes in, and every answer comes out, through
+a JSON round trip, so a caller can never reach the engine's state through a
+shared dict (and a value JSON cannot carry, such as bytes or NaN, is refused
+as `Invalid`, as it would be over HTTP).
+
+``start_run`` returns ``{"run_id", "created"}``: ``created`` says what the
+HTTP status (201 or 200) says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .auth import Forbidden
+from .protocol import NO_BODY, Operation, Protocol, copy_json
+
+__all__ = ["InProcess"]
+
+
+class InProcess:
+    """In-process calls to the daemon's protocol handler.
+
+    Args:
+        protocol: the daemon's protocol handler.
+        authorization: the ``Authorization`` header every call presents
+            (``"Bearer <key>"``); None when the daemon runs without keys.
+    """
+
+    def __init__(self, protocol: Protocol, *, authorization: str | None = None) -> None:
+        self.protocol = protocol
+        self.authorization = authorization
+
+    async def _call(
+        self,
+        op: Operation,
+        *,
+        target: str | None = None,
+        query: dict[str, Any] | None = None,
+        body: Any = NO_BODY,
+    ) -> dict[str, Any]:
+        try:
+            principal = self.protocol.authorize(op, self.authorization)
+        except Forbidden as exc:
+            await self.protocol.refused(op, exc, target)  # audited, as over HTTP
+            raise
+        if body is not NO_BODY:
+            body = copy_json(body)
+        if query:
+            query = {k: v for k, v in query.items() if v is not None}
+        with self.protocol.tracking():
+            reply = await self.protocol.call(op, principal, target=target, query=query, body=body)
+        return copy_json(reply.body)  # type: ignore[no-any-return]
+
+    # -- worker calls ------------------------------------------------------------------
+
+    async def register(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/workers/register``."""
+        return await self._call(Operation.REGISTER, body=body)
+
+    async def claim(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/steps/claim`` -> ``{"leases": [...]}`` (may hold up to the claim hold)."""
+        return await self._call(Operation.CLAIM, body=body)
+
+    async def started(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/steps/{lease}/started``."""
+        return await self._call(Operation.STARTED, target=lease_id,
+                                body=NO_BODY if body is None else body)
+
+    async def heartbeat(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/steps/{lease}/heartbeat`` -> ``{"lease_ttl_ms"}``."""
+        return await self._call(Operation.HEARTBEAT, target=lease_id,
+                                body=NO_BODY if body is None else body)
+
+    async def complete(self, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/steps/{lease}/complete`` (returns once durable)."""
+        return await self._call(Operation.COMPLETE, target=lease_id, body=body)
+
+    async def fail(self, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/steps/{lease}/fail`` (returns once durable)."""
+        return await self._call(Operation.FAIL, target=lease_id, body=body)
+
+    # -- runs ------------------------------------------------------------------------------
+
+    async def start_run(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/runs`` -> ``{"run_id", "created"}``."""
+        return await self._call(Operation.START_RUN, body=body)
+
+    async def list_runs(self, *, workflow: str | None = None, status: str | None = None,
+                        limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
+        """``GET /v1/api/runs`` -> ``{"runs", "next_cursor"}``."""
+        return await self._call(Operation.LIST_RUNS, query={
+            "workflow": workflow, "status": status, "limit": limit, "cursor": cursor})
+
+    async def get_run(self, run_id: str) -> dict[str, Any]:
+        """``GET /v1/api/runs/{run}``: the run status."""
+        return await self._call(Operation.GET_RUN, target=run_id)
+
+    async def journal(self, run_id: str, *, after_seq: int | None = None,
+                      limit: int | None = None) -> dict[str, Any]:
+        """``GET /v1/api/runs/{run}/journal`` -> ``{"run_id", "events"}``."""
+        return await self._call(Operation.JOURNAL, target=run_id,
+                                query={"after_seq": after_seq, "limit": limit})
+
+    async def export(self, run_id: str) -> dict[str, Any]:
+        """``GET /v1/api/runs/{run}/export``."""
+        return await self._call(Operation.EXPORT, target=run_id)
+
+    async def result(self, run_id: str, *, wait_ms: int | None = None) -> dict[str, Any]:
+        """``GET /v1/api/runs/{run}/result`` -> ``{"run_id", "status", "result", "error"}``."""
+        return await self._call(Operation.RESULT, target=run_id, query={"wait_ms": wait_ms})
+
+    async def signal(self, run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/signal``."""
+        return await self._call(Operation.SIGNAL, target=run_id, body=body)
+
+    async def cancel(self, run_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/cancel``."""
+        return await self._call(Operation.CANCEL, target=run_id,
+                                body=NO_BODY if body is None else body)
+
+    # -- operations ----------------------------------------------------------------------
+
+    async def workers(self) -> dict[str, Any]:
+        """``GET /v1/api/workers`` -> ``{"workers"}``."""
+        return await self._call(Operation.LIST_WORKERS)
+
+    async def audit(self, *, limit: int | None = None,
+                    cursor: str | None = None) -> dict[str, Any]:
+        """``GET /v1/api/audit`` -> ``{"entries", "next_cursor"}``."""
+        return await self._call(Operation.AUDIT, query={"limit": limit, "cursor": cursor})
+
+    async def actors(self) -> dict[str, Any]:
+        """``GET /v1/api/actors`` -> ``{"tree"}``."""
+        return await self._call(Operation.ACTORS)
+
+    async def kill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/actors/kill`` -> ``{"path"}``."""
+        return await self._call(Operation.KILL, body=body)
+

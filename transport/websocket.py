@@ -1,0 +1,483 @@
+"""The worker WebSocket: push transport over the shared `Protocol` (PROTOCOL.md "WebSocket transport").
+
+``GET /v1/api/workers/connect`` upgraded to a WebSocket on the daemon's ASGI
+app and port. Subprotocol ``stepd.v1.msgpack`` (binary frames) or
+``stepd.v1.json`` (text frames, the same maps, for debugging). The
+``Authorization`` header and the ``worker`` scope are checked on the upgrade
+request: a refusal is an HTTP answer (401, 403, 400 without a known
+subprotocol, 503 while draining) and no WebSocket is opened.
+
+Frames are maps with ``op``; requests carry an integer ``id`` the answer
+echoes::
+
+    -> {"op": "register", "id": 1, ...register body}
+    <- {"op": "registered", "id": 1, ...register answer}
+    -> {"op": "credit", "n": 8}
+    <- {"op": "lease", "lease": Lease}                      (pushed, one credit each)
+    -> {"op": "started" | "heartbeat" | "complete" | "fail", "id": 7, "lease_id": "...", ...body}
+    <- {"op": "ok", "id": 7, ...answer}
+     | {"op": "conflict", "id": 7, "reason": R, "message": "..."}
+     | {"op": "error", "id": 7, "status": 400, "message": "...", "field": "..."}
+    <- {"op": "cancel", "lease_id": "...", "reason": "run_terminal" | "fenced"}
+
+The bodies are validated by `Protocol` exactly as over HTTP (the frame minus
+``op``, ``id`` and ``lease_id`` is the HTTP body), so the same input gets the
+same rejection on either transport. Answers are sent only after what they
+acknowledge is durable: the engine's calls return after the commit.
+
+Per connection (all its tasks in one task group, STYLE.md rule 7):
+
+* a reader: ``register`` and ``credit`` are handled in order, inline (a credit
+  that follows a register always finds the session); worker calls on leases run
+  concurrently, at most ``max_in_flight`` at once (a slow ``complete`` does not
+  hold up the heartbeats of other leases; past the limit the reader stops
+  reading, and TCP pushes back on the worker);
+* a pusher: `stepd.actors.daemon.engine.PushSession` hands it a lease per
+  credit the moment work appears;
+* a writer: the one task that sends, fed by a bounded queue (``max_queue``
+  frames). Answers and leases wait for room; a ``cancel`` push that finds the
+  queue full is dropped (the heartbeat's 409 delivers it anyway, STYLE.md rule 21).
+
+A lease belongs to the worker, not the connection: a worker that reconnects and
+registers with its ``worker_id`` keeps heartbeating and completing its leases,
+and ``cancel`` pushes follow it to the new connection. When a connection ends
+(the peer closed, or went silent past uvicorn's ``ws_ping_interval`` +
+``ws_ping_timeout``), its session's unoffered slots go back to the queue.
+Oversized messages are closed with 1009 (uvicorn's ``ws_max_size``, and again
+here against ``max_body_bytes`` for servers that do not enforce one). On
+shutdown the daemon stops reading and pushing, answers the frames in flight,
+then closes with 1001.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final, TypeGuard
+
+import anyio
+import msgpack  # type: ignore[import-untyped]
+
+from stepd.engine.errors import Invalid, StepdError, Unavailable
+
+from ._validate import JSON_ENCODER, check_int
+from .auth import Forbidden, Principal, Unauthorized
+from .protocol import (
+    CrossSite,
+    Operation,
+    Protocol,
+    Reply,
+    decode_json,
+    encode_json,
+    error_reply,
+)
+
+__all__ = ["JSON_SUBPROTOCOL", "MSGPACK_SUBPROTOCOL", "SUBPROTOCOLS", "WorkerConnection",
+           "WorkerSockets"]
+
+log = logging.getLogger("stepd.transport.websocket")
+
+MSGPACK_SUBPROTOCOL: Final = "stepd.v1.msgpack"
+JSON_SUBPROTOCOL: Final = "stepd.v1.json"
+SUBPROTOCOLS: Final = (MSGPACK_SUBPROTOCOL, JSON_SUBPROTOCOL)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_LEASE_OPS: Final = {
+    "started": Operation.STARTED,
+    "heartbeat": Operation.HEARTBEAT,
+    "complete": Operation.COMPLETE,
+    "fail": Operation.FAIL,
+}
+_ENVELOPE: Final = frozenset({"op", "id", "lease_id"})
+_CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
+
+CLOSE_GOING_AWAY: Final = 1001
+CLOSE_TOO_BIG: Final = 1009
+
+
+class _Close:
+    """The writer's last item: send a close frame and stop."""
+
+    __slots__ = ("code", "reason")
+
+    def __init__(self, code: int, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+
+
+def _is_id(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def answer_frame(frame_id: Any, reply: Reply) -> dict[str, Any]:
+    """The frame answering a request: ``ok``, ``conflict`` or ``error`` (PROTOCOL.md)."""
+    if reply.status < 300:
+        return {"op": "ok", "id": frame_id, **reply.body}
+    if reply.status == 409:
+        return {"op": "conflict", "id": frame_id, "reason": reply.body.get("reason"),
+                "message": reply.body.get("message", "")}
+    frame = {"op": "error", "id": frame_id, "status": reply.status,
+             "message": reply.body.get("message", "")}
+    if "field" in reply.body:
+        frame["field"] = reply.body["field"]
+    return frame
+
+
+def _error_frame(frame_id: Any, exc: StepdError) -> dict[str, Any]:
+    return answer_frame(frame_id if _is_id(frame_id) else None, error_reply(exc))
+
+
+class WorkerSockets:
+    """The ASGI endpoint of the worker WebSocket; one per app.
+
+    It owns the routing of ``cancel`` pushes: the engine calls one listener per
+    worker (`Engine.on_cancel`), and this sends it to the connection the worker
+    registered on last.
+
+    Args:
+        protocol: the shared protocol handler.
+        max_in_flight: request frames answered concurrently per connection.
+        max_queue: frames waiting to be sent per connection.
+    """
+
+    def __init__(self, protocol: Protocol, *, max_in_flight: int = 64,
+                 max_queue: int = 256) -> None:
+        if max_in_flight < 1 or max_queue < 1:
+            raise ValueError("max_in_flight and max_queue must be >= 1")
+        self.protocol = protocol
+        self.max_in_flight = max_in_flight
+        self.max_queue = max_queue
+        self._routes: dict[str, WorkerConnection] = {}
+
+    # -- cancel routing ---------------------------------------------------------
+
+    def route_cancels(self, worker_id: str, conn: WorkerConnection) -> None:
+        """Send ``worker_id``'s cancel pushes to ``conn`` from now on."""
+        self._routes[worker_id] = conn
+        self.protocol.engine.on_cancel(
+            worker_id, lambda lease_id, reason: self._cancel(worker_id, lease_id, reason)
+        )
+
+    def unroute_cancels(self, worker_id: str, conn: WorkerConnection) -> None:
+        """``conn`` ends: stop routing to it, unless the worker moved to another connection."""
+        if self._routes.get(worker_id) is conn:
+            del self._routes[worker_id]
+            self.protocol.engine.on_cancel(worker_id, None)
+
+    def _cancel(self, worker_id: str, lease_id: str, reason: str) -> None:
+        conn = self._routes.get(worker_id)
+        if conn is not None:
+            conn.push_nowait({"op": "cancel", "lease_id": lease_id, "reason": reason})
+
+    # -- the handshake ------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        if scope["path"] != "/v1/api/workers/connect":
+            await _reject(scope, send, 404, {"error": "not_found",
+                                             "message": f"no WebSocket at {scope['path']}"})
+            return
+        protocol = self.protocol
+        if protocol.draining:
+            reply = error_reply(Unavailable("the daemon is shutting down"))
+            await _reject(scope, send, reply.status, reply.body)
+            return
+        headers = {bytes(k): bytes(v).decode("latin-1") for k, v in scope["headers"]}
+        try:
+            protocol.check_keyless(headers.get(b"host"), headers.get(b"origin"))
+            principal = protocol.authorize(Operation.REGISTER, headers.get(b"authorization"))
+        except (Unauthorized, Forbidden, CrossSite) as exc:
+            reply = error_reply(exc)
+            await _reject(scope, send, reply.status, reply.body, reply.headers)
+            return
+        offered = scope.get("subprotocols") or []
+        chosen = next((p for p in SUBPROTOCOLS if p in offered), None)
+        if chosen is None:
+            reply = error_reply(Invalid(
+                f"offer the subprotocol {MSGPACK_SUBPROTOCOL} (or {JSON_SUBPROTOCOL})",
+                field="Sec-WebSocket-Protocol",
+            ))
+            await _reject(scope, send, reply.status, reply.body)
+            return
+        await send({"type": "websocket.accept", "subprotocol": chosen})
+        conn = WorkerConnection(self, principal, chosen, receive, send)
+        await conn.run()
+
+
+async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
+                  headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Refuse the upgrade with an HTTP answer (ASGI ``websocket.http.response``)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        data = encode_json(body)
+        await send({
+            "type": "websocket.http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(data)).encode()), *headers],
+        })
+        await send({"type": "websocket.http.response.body", "body": data})
+    else:  # the server cannot answer with a body: a bare refusal (403)
+        await send({"type": "websocket.close", "code": 1008})
+
+
+class WorkerConnection:
+    """One worker WebSocket, from accept to close.
+
+    Attributes:
+        worker_id: the worker registered on this connection (None before ``register``).
+        principal: who connected.
+        subprotocol: the negotiated encoding.
+    """
+
+    def __init__(self, sockets: WorkerSockets, principal: Principal, subprotocol: str,
+                 receive: Receive, send: Send) -> None:
+        self.sockets = sockets
+        self.protocol = sockets.protocol
+        self.principal = principal
+        self.subprotocol = subprotocol
+        self.worker_id: str | None = None
+        self._binary = subprotocol == MSGPACK_SUBPROTOCOL
+        self._receive = receive
+        self._send = send
+        self._out, self._out_recv = anyio.create_memory_object_stream[Any](sockets.max_queue)
+        self._limit = anyio.Semaphore(sockets.max_in_flight)
+        self._session: Any = None
+        self._read_scope = anyio.CancelScope()
+        self._scope = anyio.CancelScope()
+        self._handlers: anyio.abc.TaskGroup | None = None
+        self._peer_gone = False
+        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._max_bytes = self.protocol.max_body_bytes + 4096  # the frame's envelope
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the connection until the peer leaves or the daemon closes it."""
+        self.protocol.add_connection(self)
+        if self.protocol.draining:  # the drain began while the upgrade was being accepted
+            self.close_for_shutdown()
+        try:
+            with self._scope:
+                await self._serve()
+        finally:
+            self._end_session()
+            self._out.close()
+            self.protocol.remove_connection(self)
+
+    async def _serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_loop)
+            async with anyio.create_task_group() as handlers:
+                self._handlers = handlers
+                with self._read_scope:
+                    await self._read_loop()
+                if self._peer_gone:
+                    handlers.cancel_scope.cancel()
+                else:
+                    self._end_session()  # the pusher ends; in-flight answers go out
+            if self._peer_gone:
+                tg.cancel_scope.cancel()
+            else:
+                with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    await self._out.send(self._close)
+
+    def close_for_shutdown(self) -> None:
+        """Stop reading and pushing; close with 1001 once the frames in flight are answered."""
+        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._read_scope.cancel()
+        self._end_session()
+
+    def abort(self) -> None:
+        """The shutdown's grace period is over: stop now (uvicorn closes the socket)."""
+        self._scope.cancel()
+
+    def _gone(self) -> None:
+        """The peer is gone: nothing more can be sent; stop everything."""
+        self._peer_gone = True
+        self._read_scope.cancel()
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
+
+    # -- reading ----------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            message = await self._receive()
+            kind = message["type"]
+            if kind == "websocket.disconnect":
+                self._peer_gone = True
+                return
+            if kind != "websocket.receive":
+                continue
+            data = message.get("bytes")
+            text = message.get("text")
+            size = len(data) if data is not None else len(text.encode()) if text else 0
+            if size > self._max_bytes:
+                self._close = _Close(CLOSE_TOO_BIG, "message too big")
+                return
+            await self._on_message(data, text)
+
+    def _decode(self, data: bytes | None, text: str | None) -> Any:
+        if self._binary:
+            if data is None:
+                raise Invalid(f"this connection speaks {MSGPACK_SUBPROTOCOL}: send binary frames")
+            try:
+                frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
+                raise Invalid(f"the frame is not valid msgpack: {exc}") from None
+            try:
+                JSON_ENCODER.encode(frame)  # only JSON values cross into the engine
+            except (TypeError, ValueError) as exc:
+                raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
+            return frame
+        if text is None:
+            raise Invalid(f"this connection speaks {JSON_SUBPROTOCOL}: send text frames")
+        return decode_json(text)
+
+    async def _on_message(self, data: bytes | None, text: str | None) -> None:
+        try:
+            frame = self._decode(data, text)
+            if not isinstance(frame, dict):
+                raise Invalid("a frame must be a map with an 'op'")
+        except Invalid as exc:
+            await self._push(_error_frame(None, exc))
+            return
+        op = frame.get("op")
+        frame_id = frame.get("id")
+        if op == "credit":
+            await self._credit(frame)
+            return
+        if op not in _LEASE_OPS and op != "register":
+            await self._push(_error_frame(frame_id, Invalid(
+                "must be register, credit, started, heartbeat, complete or fail", field="op")))
+            return
+        if not _is_id(frame_id):
+            await self._push(_error_frame(None, Invalid("a request needs an integer id",
+                                                        field="id")))
+            return
+        if op == "register":
+            await self._register(frame_id, frame)
+            return
+        await self._limit.acquire()
+        assert self._handlers is not None
+        self._handlers.start_soon(self._lease_call, frame_id, _LEASE_OPS[op], frame)
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def _register(self, frame_id: int, frame: dict[str, Any]) -> None:
+        body = {k: v for k, v in frame.items() if k not in ("op", "id")}
+        with self.protocol.tracking():
+            reply = await self.protocol.handle(Operation.REGISTER, self.principal, body=body)
+        if reply.status == 200:
+            if not self.protocol.draining:  # no new session once the drain has begun
+                self._start_session(reply.body["worker_id"])
+            await self._push({"op": "registered", "id": frame_id, **reply.body})
+        else:
+            await self._push(answer_frame(frame_id, reply))
+
+    async def _credit(self, frame: dict[str, Any]) -> None:
+        frame_id = frame.get("id")
+        try:
+            for key in frame:
+                if key not in _CREDIT_KEYS:
+                    raise Invalid("unknown key", field=str(key))
+            n = check_int(frame.get("n"), "n", minimum=1, maximum=10_000)
+            if self._session is None:
+                raise Invalid("send register before credit")
+            await self._session.add_credit(n)
+        except Invalid as exc:
+            await self._push(_error_frame(frame_id, exc))
+            return
+        if _is_id(frame_id):
+            await self._push({"op": "ok", "id": frame_id})
+
+    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any]) -> None:
+        try:
+            with self.protocol.tracking():
+                lease_id = frame.get("lease_id")
+                if not isinstance(lease_id, str):
+                    reply = error_reply(Invalid("must be the lease id (a string)",
+                                                field="lease_id"))
+                else:
+                    body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    reply = await self.protocol.handle(op, self.principal, target=lease_id,
+                                                       body=body)
+                await self._push(answer_frame(frame_id, reply))
+        finally:
+            self._limit.release()
+
+    # -- the push session ---------------------------------------------------------------
+
+    def _start_session(self, worker_id: str) -> None:
+        self._end_session()
+        self._session = self.protocol.engine.push_session(worker_id)
+        self.worker_id = worker_id
+        self.sockets.route_cancels(worker_id, self)
+        assert self._handlers is not None
+        self._handlers.start_soon(self._push_loop, self._session)
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()  # unoffered slots go back to the queue
+            # PushSession.close() closes its send stream only; close the receive
+            # side too, or it is garbage-collected unclosed (ResourceWarning).
+            # Remove once the engine closes it itself.
+            recv = getattr(session, "_recv", None)
+            if recv is not None:
+                recv.close()
+        if self.worker_id is not None:
+            self.sockets.unroute_cancels(self.worker_id, self)
+
+    async def _push_loop(self, session: Any) -> None:
+        try:
+            async with contextlib.aclosing(session.leases()) as leases:
+                async for lease in leases:
+                    await self._push({"op": "lease", "lease": lease})
+        except anyio.ClosedResourceError:
+            pass  # the session was closed (its receive side too) while a lease was offered
+
+    # -- writing --------------------------------------------------------------------------
+
+    async def _push(self, frame: dict[str, Any]) -> None:
+        """Queue a frame for the writer (waits for room in the bounded queue)."""
+        try:
+            await self._out.send(frame)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the connection is ending: nobody is listening
+
+    def push_nowait(self, frame: dict[str, Any]) -> None:
+        """Queue a frame without waiting; dropped (and logged) when the queue is full."""
+        try:
+            self._out.send_nowait(frame)
+        except anyio.WouldBlock:
+            log.warning("worker %s is not reading its WebSocket: dropped %s", self.worker_id,
+                        frame.get("op"))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    def _encode(self, frame: dict[str, Any]) -> Message:
+        if self._binary:
+            return {"type": "websocket.send", "bytes": msgpack.packb(frame, use_bin_type=True)}
+        return {"type": "websocket.send", "text": encode_json(frame).decode("utf-8")}
+
+    async def _write_loop(self) -> None:
+        async with self._out_recv:
+            async for item in self._out_recv:
+                try:
+                    if isinstance(item, _Close):
+                        await self._send({"type": "websocket.close", "code": item.code,
+                                          "reason": item.reason})
+                        return
+                    await self._send(self._encode(item))
+                except OSError:  # uvicorn's ClientDisconnected: the peer is gone
+                    self._gone()
+                    return
+
