@@ -69,6 +69,9 @@ class StorageStatistics:
         failed_commits: commits that failed (every caller got ``CommitFailed``).
         map_growths: times the map was grown on ``MapFullError``.
         max_batch_size: the largest batch run, in requests.
+        batch_sizes: how many batches had each size, bucketed by powers of two:
+            ``batch_sizes[i]`` counts batches of size in ``(2**(i-1), 2**i]``
+            (index 0: size 1), for a histogram of commit batch sizes.
         queued: requests waiting for the writer at the time of the snapshot.
         map_size: the current map size in bytes.
         max_map_size: the configured maximum map size in bytes.
@@ -82,6 +85,7 @@ class StorageStatistics:
     failed_commits: int
     map_growths: int
     max_batch_size: int
+    batch_sizes: tuple[int, ...]
     queued: int
     map_size: int
     max_map_size: int
@@ -166,6 +170,7 @@ class Writer:
         self._failed_commits = 0
         self._map_growths = 0
         self._max_batch_size = 0
+        self._batch_sizes = [0] * 12  # sizes up to 2**11 = 2048 > max_batch
         self._map_size = env.info()["map_size"]
 
     # -- called from other threads ---------------------------------------
@@ -213,6 +218,7 @@ class Writer:
             failed_commits=self._failed_commits,
             map_growths=self._map_growths,
             max_batch_size=self._max_batch_size,
+            batch_sizes=tuple(self._batch_sizes),
             queued=queued,
             map_size=self._map_size,
             max_map_size=self._max_map_size,
@@ -272,6 +278,7 @@ class Writer:
         """Run one batch to its end (commit or failure) and deliver its outcomes."""
         self._batches += 1
         self._max_batch_size = max(self._max_batch_size, len(batch))
+        self._batch_sizes[(len(batch) - 1).bit_length()] += 1
         self._requests += len(batch)
         self._deferred_requests += sum(1 for r in batch if r.deferred)
         with self._cond:

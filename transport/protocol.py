@@ -368,7 +368,7 @@ class Protocol:
         self._aborted = False
         self._claiming: dict[str, int] = {}
         self._connections: set[Any] = set()  # WorkerConnection: close_for_shutdown(), abort()
-        self._stats_seen = (0, 0)  # storage (requests, commits) already observed
+        self._batches_seen: tuple[int, ...] = ()  # storage batch-size buckets already observed
         self.metrics.runs_by_status.set_function(lambda: self._runs_by_status)
         self._runs_by_status: dict[str, int] = {}
 
@@ -625,7 +625,8 @@ class Protocol:
         for info in self.engine.workers():
             info = dict(info)
             info["connected"] = bool(info.get("connected")) or info["worker_id"] in connected
-            info.setdefault("last_heartbeat_at", None)
+            seen = info.get("last_heartbeat_at")
+            info["last_heartbeat_at"] = None if seen is None else iso_ms(seen)
             out.append(info)
         return out
 
@@ -758,7 +759,7 @@ class Protocol:
         """The Prometheus exposition text (docs/http-api.md "Metrics")."""
         e = self.engine
         m = self.metrics
-        self._runs_by_status = await anyio.to_thread.run_sync(e.storage.read, _count_runs_txn)
+        self._runs_by_status = {k: v for k, v in e.status_counts.items() if v > 0}
         try:
             m.live_leases.set(len(e.system.supervisor("/leases").which_children()))
         except (ActorDead, ActorNotFound):
@@ -766,22 +767,22 @@ class Protocol:
         try:
             stats = await e.registry_stats()
             m.waiting_claims.set(stats.waiting_claims)
-        except (ActorDead, ActorNotFound):
+        except (ActorDead, ActorNotFound, Unavailable):
             log.debug("/registry is restarting: stepd_waiting_claims keeps its last value")
         m.connected_workers.set(len(self.connected_workers()))
         _drain_into(e.run_to_complete, m.run_to_complete_seconds.observe)
         _drain_into(e.schedule_to_start, m.step_schedule_to_start_seconds.observe)
-        # Batch sizes: the storage counts requests and commits, not each batch;
-        # until it reports each one, every commit since the last scrape is
-        # observed at the mean size (count and sum exact, buckets approximate).
+        # Batch sizes: the storage counts batches per power-of-two size bucket;
+        # each new batch is observed at its bucket's upper bound (the buckets
+        # of stepd_commit_batch_size are the same powers of two, so counts and
+        # buckets are exact; the sum is an upper bound).
         s = e.storage.statistics()
-        requests, commits = self._stats_seen
-        new_commits = s.commits - commits
-        if new_commits > 0:
-            mean = (s.requests - requests) / new_commits
-            for _ in range(min(new_commits, 10_000)):
-                m.commit_batch_size.observe(mean)
-        self._stats_seen = (s.requests, s.commits)
+        seen = self._batches_seen
+        for i, count in enumerate(s.batch_sizes):
+            new = count - (seen[i] if i < len(seen) else 0)
+            for _ in range(min(new, 10_000)):
+                m.commit_batch_size.observe(float(1 << i))
+        self._batches_seen = s.batch_sizes
         return self.registry.render()
 
 

@@ -427,12 +427,6 @@ class WorkerConnection:
         session, self._session = self._session, None
         if session is not None:
             session.close()  # unoffered slots go back to the queue
-            # PushSession.close() closes its send stream only; close the receive
-            # side too, or it is garbage-collected unclosed (ResourceWarning).
-            # Remove once the engine closes it itself.
-            recv = getattr(session, "_recv", None)
-            if recv is not None:
-                recv.close()
         if self.worker_id is not None:
             self.sockets.unroute_cancels(self.worker_id, self)
 
@@ -440,18 +434,25 @@ class WorkerConnection:
         try:
             async with contextlib.aclosing(session.leases()) as leases:
                 async for lease in leases:
-                    await self._push({"op": "lease", "lease": lease})
+                    if not await self._push({"op": "lease", "lease": lease}):
+                        # Offered into a connection that is going away: hand the
+                        # slot back now rather than after the lease TTL.
+                        self.protocol.engine.release(lease["lease_id"])
         except anyio.ClosedResourceError:
             pass  # the session was closed (its receive side too) while a lease was offered
 
     # -- writing --------------------------------------------------------------------------
 
-    async def _push(self, frame: dict[str, Any]) -> None:
-        """Queue a frame for the writer (waits for room in the bounded queue)."""
+    async def _push(self, frame: dict[str, Any]) -> bool:
+        """Queue a frame for the writer (waits for room in the bounded queue).
+
+        Returns False when the connection is ending and the frame was not queued.
+        """
         try:
             await self._out.send(frame)
+            return True
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # the connection is ending: nobody is listening
+            return False  # the connection is ending: nobody is listening
 
     def push_nowait(self, frame: dict[str, Any]) -> None:
         """Queue a frame without waiting; dropped (and logged) when the queue is full."""

@@ -69,6 +69,7 @@ from .messages import (
     Claim,
     EndLease,
     LeaseCall,
+    ReleaseLease,
     Offer,
     RegisterWorker,
     RegistryStats,
@@ -78,7 +79,7 @@ from .messages import (
 )
 from .recovery import RecoveryActor
 from .registry import RegistryActor, Stats, Waiter, WorkerInfo
-from .run import RunActor
+from .run import RunActor, walk_writes
 from .timers import TimerActor, TimerIndexChanged
 
 PROTOCOL_VERSION = "1.20"
@@ -131,6 +132,10 @@ class Engine:
         self._sessions: set[PushSession] = set()
         #: Leases with a live actor, by id (their actors keep this current).
         self.live_leases: dict[str, LeaseRecord] = {}
+        #: When each worker last called on a lease (epoch ms).
+        self.worker_seen: dict[str, int] = {}
+        #: Runs by status, kept current by every transition (for /metrics).
+        self.status_counts: dict[str, int] = {}
         self.closing = False
         self.counters: dict[str, int] = {"runs_started": 0, "runs_ended": 0, "leases_offered": 0}
         self.run_to_complete: list[float] = []
@@ -159,6 +164,7 @@ class Engine:
             catalog = Catalog()
             storage.read(catalog.load_txn)
             engine = cls(storage, catalog, config, clock)
+            engine.status_counts = storage.read(store.count_runs_txn)
             big = {"intensity": 10_000, "period": 10.0}
             root = Supervisor(
                 [
@@ -279,6 +285,7 @@ class Engine:
                     "concurrency": raw.get("concurrency"),
                     "registered_at": raw.get("registered_at"),
                     "connected": raw["worker_id"] in self._cancel_listeners,
+                    "last_heartbeat_at": self.worker_seen.get(raw["worker_id"]),
                     "leases": held.get(raw["worker_id"], []),
                 })
         return out
@@ -341,6 +348,8 @@ class Engine:
         if existing is not None:
             return existing, False
         self.counters["runs_started"] += 1
+        for created in walk_writes([w]):
+            self.status_moved(None, created.record["status"])
         if w.due_new is not None:
             self._timer_changed(w.due_new)
         await self._activate(run_id, (machine, tr))
@@ -440,7 +449,8 @@ class Engine:
                     continue
                 out.append({
                     "run_id": raw["run_id"], "workflow": raw["workflow"], "status": raw["status"],
-                    "definition_version": raw["version"], "created_at": raw["created_at"],
+                    "definition_version": raw["version"], "definition_hash": raw["hash"],
+                    "idempotency_key": raw["idempotency_key"], "created_at": raw["created_at"],
                     "updated_at": raw["updated_at"],
                     "parent_run_id": (raw["parent"] or {}).get("run_id"),
                 })
@@ -601,6 +611,15 @@ class Engine:
         for session in list(self._sessions):
             session.resubscribe()
 
+    def release(self, lease_id: str) -> None:
+        """Give back a lease that never reached its worker (a dead connection, a lost
+        claim answer): if it has not started, its slot is queued again at once, same
+        attempt, instead of waiting out the TTL. A started lease is left alone."""
+        try:
+            self.system.resolve(f"/leases/{lease_id}").tell_nowait(ReleaseLease())
+        except (ActorDead, ActorNotFound, anyio.WouldBlock):
+            pass  # gone already, or busy: the TTL still recovers it
+
     def on_cancel(self, worker_id: str, listener: Callable[[str, str], None] | None) -> None:
         """Register how to tell a worker that one of its leases ended (WebSocket `cancel`)."""
         if listener is None:
@@ -700,6 +719,17 @@ class Engine:
 
     def metrics_offered(self, spec: AttemptSpec, now: int) -> None:
         self.counters["leases_offered"] += 1
+
+    def status_moved(self, old: str | None, new: str) -> None:
+        counts = self.status_counts
+        if old is not None:
+            counts[old] = counts.get(old, 1) - 1
+        counts[new] = counts.get(new, 0) + 1
+
+    def sample_schedule_to_start(self, seconds: float) -> None:
+        self.schedule_to_start.append(seconds)
+        if len(self.schedule_to_start) > 10_000:
+            del self.schedule_to_start[:5_000]
 
     def run_ended(self, run_id: str, status: str, created_at: int) -> None:
         self.counters["runs_ended"] += 1

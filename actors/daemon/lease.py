@@ -23,13 +23,14 @@ from stepd.engine.events import (
     AttemptFailed,
     AttemptLost,
     AttemptOrphaned,
+    AttemptReleased,
     AttemptRevived,
     AttemptStarted,
 )
 from stepd.engine.lease import LeaseMachine, LeaseRecord, LeaseStatus, Op, Orphaned, Recover, Revived, reject_reason
 
 from . import store
-from .messages import ApplyAttempt, AttemptNote, Due, EndLease, LeaseCall
+from .messages import ApplyAttempt, AttemptNote, Due, EndLease, LeaseCall, ReleaseLease
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -78,6 +79,16 @@ class LeaseActor(Actor):
         if isinstance(message, Due):
             await self._tick()
             return None
+        if isinstance(message, ReleaseLease):
+            rec = self.machine.record
+            if rec.status is LeaseStatus.OFFERED:
+                now = self.clock.time_ms()
+                self.machine.end(LeaseStatus.FENCED, now)
+                await self.engine.tell_run(rec.run_id, AttemptNote(
+                    rec.lease_id, AttemptReleased(rec.step_id, rec.item_index, rec.fence),
+                    rec.to_dict()))
+                self.stop()
+            return None
         if isinstance(message, EndLease):
             if self.machine.status.live:
                 status = LeaseStatus.FENCED if message.reason == "fenced" else LeaseStatus.RUN_TERMINAL
@@ -94,6 +105,7 @@ class LeaseActor(Actor):
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         now = self.clock.time_ms()
+        self.engine.worker_seen[rec.worker_id] = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
         if revived:
             await self.engine.tell_run(rec.run_id, AttemptNote(

@@ -43,6 +43,11 @@ class LeaseCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ReleaseLease:
+    """The lease was offered but never reached its worker: give the slot back now."""
+
+
+@dataclass(frozen=True, slots=True)
 class EndLease:
     """The run ended this lease: `reason` is what later calls are told."""
 

@@ -57,6 +57,14 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+def walk_writes(writes: list[store.RunWrite]) -> list[store.RunWrite]:
+    out = []
+    for w in writes:
+        out.append(w)
+        out.extend(walk_writes(w.children))
+    return out
+
+
 class SignalRefused(Conflict):
     """A signal refused because its transition would breach a budget (409 budget_exceeded)."""
 
@@ -118,6 +126,8 @@ class RunActor(Actor):
             tr = Transition()
         self.indexed_due = self.machine.next_deadline()
         self.indexed_active = not self.machine.idle()
+        # The status as counted in engine.status_counts (creation counted it already).
+        self._status = self.machine.record.status.value
         await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr)
@@ -210,7 +220,14 @@ class RunActor(Actor):
         return lease
 
     async def _apply_attempt(self, msg: ApplyAttempt) -> None:
-        tr = self.machine.handle(msg.event, self.clock.time_ms())  # Conflict: nothing changed
+        queued_at = None
+        if msg.op is Op.STARTED and self.machine.record.frame is not None:
+            slot = self.machine.record.frame.slot(msg.event.item_index)
+            queued_at = None if slot is None else slot.queued_at
+        now = self.clock.time_ms()
+        tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+        if queued_at is not None:
+            self.engine.sample_schedule_to_start((now - queued_at) / 1000.0)
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
@@ -278,7 +295,10 @@ class RunActor(Actor):
                 status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).value
                 w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
             elif isinstance(effect, StartChildren):
-                w.children.extend(self.engine.child_writes(effect, now))
+                children = self.engine.child_writes(effect, now)
+                w.children.extend(children)
+                for cw in walk_writes(children):
+                    self.engine.status_moved(None, cw.record["status"])
             elif isinstance(effect, NotifyParent):
                 r = m.record
                 w.inbox.append((effect.parent_run_id, self.run_id, {
@@ -294,6 +314,10 @@ class RunActor(Actor):
             self.engine._timer_changed(due)
         self.indexed_due = due
         self.indexed_active = active
+        status = m.record.status.value
+        if status != self._status:
+            self.engine.status_moved(self._status, status)
+            self._status = status
         return w
 
     async def _commit(self, tr: Transition, **extra: Any) -> None:

@@ -197,5 +197,14 @@ def inbox_txn(txn: ReadTxn, run_id: str) -> list[tuple[bytes, dict[str, Any]]]:
     return [(k, v) for k, v in txn.scan(INBOX, prefix=inbox_prefix(run_id)) if isinstance(v, dict)]
 
 
+def count_runs_txn(txn: ReadTxn) -> dict[str, int]:
+    """Runs by status (once, at open; transitions keep the counts current after)."""
+    counts: dict[str, int] = {}
+    for _, raw in txn.scan(RUNS):
+        if isinstance(raw, dict):
+            counts[raw["status"]] = counts.get(raw["status"], 0) + 1
+    return counts
+
+
 def run_is_terminal(raw: dict[str, Any]) -> bool:
     return RunStatus(raw["status"]).terminal

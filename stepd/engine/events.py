@@ -83,6 +83,16 @@ class AttemptRevived:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptReleased:
+    """An offered lease never reached its worker (the connection died, the
+    claim's answer was lost): hand the slot back at once, same attempt."""
+
+    step_id: str
+    item_index: int | None
+    fence: int
+
+
+@dataclass(frozen=True, slots=True)
 class AttemptUnservable:
     """The worker does not hold this definition, version or body; hand the slot back."""
 
@@ -125,6 +135,7 @@ Event = (
     | AttemptLost
     | AttemptOrphaned
     | AttemptRevived
+    | AttemptReleased
     | AttemptUnservable
     | SignalReceived
     | Tick

@@ -37,6 +37,7 @@ class Slot:
     not_before: int | None = None  # backoff: the next attempt is queued at this time (ms)
     timeout_at: int | None = None  # per-step timeout of the started attempt (ms)
     excluded: list[str] = field(default_factory=list)  # workers that answered unservable
+    queued_at: int | None = None  # when it last became runnable (schedule-to-start metrics)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class Slot:
             "nb": self.not_before,
             "to": self.timeout_at,
             "x": self.excluded,
+            "q": self.queued_at,
         }
 
     @classmethod
@@ -67,6 +69,7 @@ class Slot:
             not_before=d["nb"],
             timeout_at=d["to"],
             excluded=list(d["x"]),
+            queued_at=d.get("q"),
         )
 
 

@@ -47,6 +47,7 @@ from .events import (
     AttemptLost,
     AttemptOffered,
     AttemptOrphaned,
+    AttemptReleased,
     AttemptRevived,
     AttemptSpec,
     AttemptStarted,
@@ -370,7 +371,7 @@ class RunMachine:
             if nxt is not None:
                 self._run_steps_from(nxt, tr, now)
             return tr
-        self._fill_for_each(step, f, tr)
+        self._fill_for_each(step, f, tr, now)
         return tr
 
     def _on_failed(self, ev: AttemptFailed, now: int) -> Transition:
@@ -407,7 +408,7 @@ class RunMachine:
                 self._fail_run(ErrorReason.LEASE_LOST,
                                "at_most_once attempt lost after it started", step.id, tr, now)
                 return tr
-            self._requeue(step, f, slot, tr, attempt=slot.attempt)
+            self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)
             return tr
         retry = _retry_of(step)
         if slot.attempt >= retry.max_attempts:
@@ -416,7 +417,7 @@ class RunMachine:
                 f"lease lost on attempt {slot.attempt} of {retry.max_attempts}", step.id, tr, now,
             )
             return tr
-        self._requeue(step, f, slot, tr, attempt=slot.attempt + 1)
+        self._requeue(step, f, slot, tr, attempt=slot.attempt + 1, now=now)
         return tr
 
     def _on_orphaned(self, ev: AttemptOrphaned, now: int) -> Transition:
@@ -435,6 +436,18 @@ class RunMachine:
                       worker_id=slot.worker_id)
         return tr
 
+    def _on_released(self, ev: AttemptReleased, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        if slot.phase is not SlotPhase.OFFERED:
+            raise Fenced(f"lease {slot.lease_id} has started: it cannot be released")
+        step = self.definition.step(f.step_id)
+        tr = Transition()
+        self._journal(tr, now, "step_recovered", step_id=ev.step_id, item_index=ev.item_index,
+                      attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+                      started=False, released=True)
+        self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)  # never ran: no budget spent
+        return tr
+
     def _on_unservable(self, ev: AttemptUnservable, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
         step = self.definition.step(f.step_id)
@@ -446,7 +459,7 @@ class RunMachine:
         )
         if ev.worker_id not in slot.excluded:
             slot.excluded.append(ev.worker_id)
-        self._requeue(step, f, slot, tr, attempt=slot.attempt)  # no retry budget spent
+        self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)  # no retry budget spent
         return tr
 
     def _on_signal(self, ev: SignalReceived, now: int) -> Transition:
@@ -558,7 +571,8 @@ class RunMachine:
                 rendered = render(step.input, self._ctx())
             except TemplateError as exc:
                 return self._template_failure(step, exc, tr, now)
-            f.slots.append(Slot(item_index=None, input=rendered, cost_units=step.cost_units))
+            f.slots.append(Slot(item_index=None, input=rendered, cost_units=step.cost_units,
+                                queued_at=now))
             r.status = RunStatus.RUNNING
             tr.effects.append(Runnable((self._spec(step, f, f.slots[0]),)))
             return None
@@ -611,16 +625,16 @@ class RunMachine:
         if not items:
             return self._finish_step(step, [], tr, now, into_value=[])
         r.status = RunStatus.RUNNING
-        self._fill_for_each(step, f, tr)
+        self._fill_for_each(step, f, tr, now)
         return None
 
-    def _fill_for_each(self, step: ForEachStep, f: Frame, tr: Transition) -> None:
+    def _fill_for_each(self, step: ForEachStep, f: Frame, tr: Transition, now: int) -> None:
         """Slot pending items up to `max_parallel`, in item order."""
         cap = step.max_parallel if step.max_parallel is not None else f.total
         new: list[AttemptSpec] = []
         while f.next_item < f.total and len(f.slots) < cap:
             i = f.next_item
-            slot = Slot(item_index=i, input=f.pending[0], cost_units=step.cost_units)
+            slot = Slot(item_index=i, input=f.pending[0], cost_units=step.cost_units, queued_at=now)
             del f.pending[0]
             f.next_item += 1
             f.slots.append(slot)
@@ -769,7 +783,7 @@ class RunMachine:
             slot.worker_id = None
             slot.timeout_at = None
             if delay <= 0:
-                self._requeue(step, f, slot, tr, attempt=slot.attempt + 1)
+                self._requeue(step, f, slot, tr, attempt=slot.attempt + 1, now=now)
                 return
             slot.phase = SlotPhase.BACKOFF
             slot.not_before = now + delay
@@ -779,8 +793,11 @@ class RunMachine:
             why = f"{why} (attempt {slot.attempt} of {retry.max_attempts})"
         self._fail_run(ErrorReason.STEP_FAILED, why, step.id, tr, now)
 
-    def _requeue(self, step: Step, f: Frame, slot: Slot, tr: Transition, *, attempt: int) -> None:
+    def _requeue(
+        self, step: Step, f: Frame, slot: Slot, tr: Transition, *, attempt: int, now: int
+    ) -> None:
         slot.attempt = attempt
+        slot.queued_at = now
         slot.phase = SlotPhase.QUEUED
         slot.lease_id = None
         slot.worker_id = None
@@ -824,7 +841,7 @@ class RunMachine:
             if slot.phase is SlotPhase.BACKOFF and slot.not_before is not None and slot.not_before <= now:
                 self._journal(tr, now, "timer_fired", timer="retry", step_id=step.id,
                               item_index=slot.item_index, due_at=slot.not_before)
-                self._requeue(step, f, slot, tr, attempt=slot.attempt + 1)
+                self._requeue(step, f, slot, tr, attempt=slot.attempt + 1, now=now)
                 return True
             if slot.phase is SlotPhase.STARTED and slot.timeout_at is not None and slot.timeout_at <= now:
                 lease_id = slot.lease_id
@@ -1063,6 +1080,7 @@ TRANSITIONS: dict[tuple[RunStatus, type], tuple[str, tuple[RunStatus, ...]]] = {
     (R, AttemptOrphaned): ("_on_orphaned", (R,)),
     (R, AttemptRevived): ("_on_revived", (R,)),
     (R, AttemptUnservable): ("_on_unservable", (R,)),
+    (R, AttemptReleased): ("_on_released", (R,)),
     (R, AttemptCompleted): ("_on_completed", _NEXT),
     (R, AttemptFailed): ("_on_failed", (R, F)),
     (R, AttemptLost): ("_on_lost", (R, F)),
@@ -1083,7 +1101,7 @@ for _s in (W, S):
     # Attempt events for a step the run has left: answered `fenced`, as in
     # RUNNING when the fence is stale.
     for _ev in (AttemptOffered, AttemptStarted, AttemptCompleted, AttemptFailed, AttemptLost,
-                AttemptOrphaned, AttemptRevived, AttemptUnservable):
+                AttemptOrphaned, AttemptRevived, AttemptReleased, AttemptUnservable):
         TRANSITIONS[(_s, _ev)] = ("_stale_attempt", ())
 for _s in _TERMINAL:
     TRANSITIONS[(_s, Tick)] = ("_on_tick_terminal", (_s,))
@@ -1094,7 +1112,7 @@ del _s, _ev
 #: rather than a bug: they get `RunTerminal` (409 run_terminal).
 _TERMINAL_CONFLICTS = frozenset({
     AttemptOffered, AttemptStarted, AttemptCompleted, AttemptFailed, AttemptLost,
-    AttemptOrphaned, AttemptRevived, AttemptUnservable, SignalReceived, Cancel,
+    AttemptOrphaned, AttemptRevived, AttemptReleased, AttemptUnservable, SignalReceived, Cancel,
 })
 
 

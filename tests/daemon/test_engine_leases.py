@@ -229,3 +229,32 @@ async def test_a_restart_keeps_live_leases_alive_for_a_full_ttl(tmp_path: Path) 
         view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
         assert view["result"] == "survived"
         assert "step_orphaned" not in journal_types(engine, run_id)
+
+
+async def test_a_released_lease_is_queued_again_at_once_same_attempt(engine: Engine) -> None:
+    wid = await worker(engine, one())
+    run_id, _ = await engine.start_run("one")
+    first = await claim_one(engine, wid)
+    engine.release(first["lease_id"])
+    again = await claim_one(engine, wid)  # no TTL to wait out
+    assert again["attempt"] == 1 and again["fence"] == first["fence"] + 1
+    with pytest.raises(Fenced):
+        await engine.lease_call(first["lease_id"], Op.STARTED, {})
+    await engine.lease_call(again["lease_id"], Op.STARTED, {})
+    engine.release(again["lease_id"])  # started: release leaves it alone
+    await engine.lease_call(again["lease_id"], Op.COMPLETE, {"output": 1})
+    await eventually(lambda: engine.status(run_id)["status"] == "completed")
+    recovered = [e for e in engine.journal(run_id) if e["type"] == "step_recovered"]
+    assert [e.get("released") for e in recovered] == [True]
+
+
+async def test_metrics_hooks_count_runs_and_sample_schedule_to_start(engine: Engine) -> None:
+    wid = await worker(engine, one())
+    run_id, _ = await engine.start_run("one")
+    assert engine.status_counts.get("running") == 1
+    await finish(engine, await claim_one(engine, wid), 1)
+    await eventually(lambda: engine.status_counts.get("completed") == 1)
+    assert engine.status_counts.get("running") == 0
+    assert len(engine.schedule_to_start) == 1 and engine.schedule_to_start[0] >= 0
+    seen = [w["last_heartbeat_at"] for w in engine.workers()]
+    assert seen == [T0]
