@@ -1,0 +1,342 @@
+"""`StepContext`: what a step body sees of its lease, and what it reports through it.
+
+A body is called ``body(ctx, input, steps)`` (or with fewer parameters; see
+`stepd.Worker`). Through ``ctx`` it
+
+* reads the lease: ``run_id``, ``step_id``, ``attempt``, ``idempotency_key``
+  (stable across retries: give it to the APIs you call), ``state`` (read-only;
+  shows the patches made so far), ``correlation``, ``trace_id``, ``span_id``,
+  ``item_index`` (the item of a ``for_each``), ``lease_id``;
+* patches the run's state: ``ctx.patch_state(summary=...)`` (merged, top-level
+  keys replace; sent with ``complete``);
+* records spans: ``with ctx.span("llm.call", model="m") as span:
+  span.set_usage(model="m", input_tokens=10, output_tokens=5)``. Spans nest
+  (the parent is the enclosing span, else the step's own span); each is sent
+  with its *own* usage, and the daemon sums every span into the step's usage,
+  so a body that records its model calls as spans never sums by hand
+  (`stepd.engine.pricing`). ``ctx.set_usage(...)`` overrides the sum;
+* heartbeats: ``ctx.heartbeat(progress)`` (optional: the worker heartbeats on
+  its own while the body runs; calls are coalesced, the last progress wins);
+* learns it was cancelled (the lease was fenced, the run ended, the worker is
+  stopping): ``ctx.cancelled``, ``ctx.check_cancelled()`` (raises
+  `stepd.Cancelled`), ``ctx.cancel_event`` (a `threading.Event`, for sync bodies
+  and threads), ``ctx.cancel_scope`` (the anyio cancel scope around an async
+  body, which the worker cancels: an async body is interrupted at its next
+  ``await``).
+
+`current_context()` returns the context of the body running in this task or
+thread, for code deep in a call stack (a model client wrapper recording spans).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any
+
+import anyio
+
+from stepd._errors import Cancelled
+
+__all__ = ["Span", "StepContext", "current_context"]
+
+_current_ctx: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
+    "stepd_current_context", default=None)
+_current_span: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "stepd_current_span", default=None)
+
+
+def current_context() -> StepContext:
+    """The context of the step body running in this task (or thread).
+
+    Raises:
+        LookupError: not inside a step body.
+    """
+    ctx = _current_ctx.get()
+    if ctx is None:
+        raise LookupError("not inside a stepd step body")
+    return ctx
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _usage(model: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    for name, value in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+    usage: dict[str, Any] = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    if model is not None:
+        usage["model"] = model
+    return usage
+
+
+class Span:
+    """One span recorded by ``ctx.span(...)``.
+
+    Attributes:
+        span_id: 16 hex digits.
+        parent_span_id: the enclosing span's id, or the step's (the lease's ``span_id``).
+        name: what it measures (``llm.call``).
+        attributes: free JSON attributes (set at creation or with `set_attribute`).
+        start_ms, end_ms: wall-clock epoch milliseconds (end is None while open).
+        usage: this span's *own* usage (exclusive of its children), or None.
+    """
+
+    __slots__ = ("attributes", "end_ms", "name", "parent_span_id", "span_id", "start_ms", "usage")
+
+    def __init__(self, name: str, parent_span_id: str | None, attributes: dict[str, Any]) -> None:
+        self.span_id = secrets.token_hex(8)
+        self.parent_span_id = parent_span_id
+        self.name = name
+        self.attributes = attributes
+        self.start_ms = _now_ms()
+        self.end_ms: int | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Span {self.name!r} {self.span_id} parent={self.parent_span_id}>"
+
+    def set_usage(self, *, model: str | None = None, input_tokens: int = 0,
+                  output_tokens: int = 0) -> None:
+        """Set this span's own usage (children report theirs; the daemon sums all).
+
+        Raises:
+            ValueError: a negative or non-integer token count, or an empty model name.
+        """
+        self.usage = _usage(model, input_tokens, output_tokens)
+
+    def add_usage(self, *, model: str | None = None, input_tokens: int = 0,
+                  output_tokens: int = 0) -> None:
+        """Add to this span's own usage (several calls inside one span).
+
+        A span has one model: ``model`` replaces the one set before, if given.
+
+        Raises:
+            ValueError: as `set_usage`.
+        """
+        add = _usage(model, input_tokens, output_tokens)
+        if self.usage is None:
+            self.usage = add
+            return
+        self.usage["input_tokens"] += add["input_tokens"]
+        self.usage["output_tokens"] += add["output_tokens"]
+        if model is not None:
+            self.usage["model"] = model
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """Set one attribute (a JSON value)."""
+        self.attributes[key] = value
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "span_id": self.span_id, "parent_span_id": self.parent_span_id, "name": self.name,
+            "start_ms": self.start_ms,
+            "end_ms": self.end_ms if self.end_ms is not None else _now_ms(),
+            "attributes": self.attributes,
+        }
+        if self.usage is not None:
+            out["usage"] = dict(self.usage)
+        return out
+
+
+class StepContext:
+    """The context a step body receives as its first argument. Built by the worker.
+
+    Attributes:
+        run_id, step_id, lease_id: which attempt this is.
+        attempt: 1 for the first attempt, then 2, 3...
+        item_index: the item's index in a ``for_each`` step, else None.
+        idempotency_key: stable across retries of this step (and item).
+        correlation: the run's correlation value.
+        trace_id, span_id: the step's trace (32 hex) and span (16 hex).
+        workflow, version, definition_hash, body: what the lease runs.
+        delivery: ``at_least_once`` or ``at_most_once``.
+        timeout_ms: the step's timeout, or None.
+        lease: the lease as the daemon sent it (a read-only mapping).
+    """
+
+    def __init__(self, lease: dict[str, Any], *, notify_heartbeat: Callable[[], None] | None = None
+                 ) -> None:
+        self.lease: Mapping[str, Any] = MappingProxyType(lease)
+        self.lease_id: str = lease["lease_id"]
+        self.run_id: str = lease["run_id"]
+        self.step_id: str = lease["step_id"]
+        self.attempt: int = lease.get("attempt", 1)
+        self.item_index: int | None = lease.get("item_index")
+        self.idempotency_key: str | None = lease.get("idempotency_key")
+        self.correlation: Any = lease.get("correlation")
+        self.trace_id: str | None = lease.get("trace_id")
+        self.span_id: str | None = lease.get("span_id")
+        self.workflow: str = lease.get("workflow", "")
+        self.version: str | None = lease.get("version")
+        self.definition_hash: str = lease.get("definition_hash", "")
+        self.body: str = lease.get("body", "")
+        self.delivery: str = lease.get("delivery", "at_least_once")
+        self.timeout_ms: int | None = lease.get("timeout_ms")
+        state = lease.get("state")
+        self._state: dict[str, Any] = dict(state) if isinstance(state, dict) else {}
+        self._state_view = MappingProxyType(self._state)
+        self._patch: dict[str, Any] = {}
+        self._spans: list[Span] = []
+        self._usage: dict[str, Any] | None = None
+        self._progress: Any = None
+        self._progress_set = False
+        self._notify = notify_heartbeat
+        self._lock = threading.Lock()
+        self.cancel_event = threading.Event()
+        self.cancel_scope = anyio.CancelScope()
+        self._cancel_reason: str | None = None
+
+    def __repr__(self) -> str:
+        item = "" if self.item_index is None else f"[{self.item_index}]"
+        return (f"<StepContext {self.run_id}/{self.step_id}{item} attempt={self.attempt} "
+                f"lease={self.lease_id}>")
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> Mapping[str, Any]:
+        """The run's public state as the lease carried it, with this body's patches applied.
+
+        Read-only: change it with `patch_state`.
+        """
+        return self._state_view
+
+    def patch_state(self, patch: Mapping[str, Any] | None = None, /, **values: Any) -> None:
+        """Merge into the run's state when the step completes (top-level keys replace).
+
+        ``ctx.patch_state(summary="...")`` or ``ctx.patch_state({"a b": 1})``.
+        Later patches replace earlier ones key by key; `state` shows the result
+        at once. Nothing is sent if the body fails.
+        """
+        merged: dict[str, Any] = dict(patch) if patch is not None else {}
+        merged.update(values)
+        with self._lock:
+            self._patch.update(merged)
+            self._state.update(merged)
+
+    # -- usage and spans -----------------------------------------------------------------
+
+    @contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[Span]:
+        """Record a span around a block: ``with ctx.span("llm.call", model="m") as span:``.
+
+        The parent is the span enclosing this one in the same task (or thread),
+        else the step's span. The span is sent with ``complete``; an exception
+        leaving the block is recorded as the ``error`` attribute (its type name)
+        and re-raised.
+        """
+        parent = _current_span.get()
+        parent_id = parent.span_id if parent is not None and parent in self._spans else self.span_id
+        span = Span(name, parent_id, dict(attributes))
+        with self._lock:
+            self._spans.append(span)
+        token = _current_span.set(span)
+        try:
+            yield span
+        except BaseException as exc:
+            span.attributes.setdefault("error", type(exc).__name__)
+            raise
+        finally:
+            span.end_ms = _now_ms()
+            _current_span.reset(token)
+
+    def set_usage(self, *, model: str | None = None, input_tokens: int = 0,
+                  output_tokens: int = 0) -> None:
+        """The step's usage, overriding the sum of its spans (for a body that records none).
+
+        Raises:
+            ValueError: a negative or non-integer token count, or an empty model name.
+        """
+        self._usage = _usage(model, input_tokens, output_tokens)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """The step's usage so far: the override if set, else the sum over spans."""
+        if self._usage is not None:
+            return dict(self._usage)
+        total = {"input_tokens": 0, "output_tokens": 0}
+        for span in list(self._spans):
+            if span.usage is not None:
+                total["input_tokens"] += span.usage["input_tokens"]
+                total["output_tokens"] += span.usage["output_tokens"]
+        return total
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """The spans recorded so far, in the order they opened."""
+        return tuple(self._spans)
+
+    # -- heartbeats ---------------------------------------------------------------------
+
+    def heartbeat(self, progress: Any = None) -> None:
+        """Ask for a heartbeat soon, carrying ``progress`` (any JSON) if given.
+
+        Never blocks and never raises: calls are coalesced (at most one
+        heartbeat per throttle interval, the last progress wins). Safe from any
+        thread. The worker heartbeats every ``heartbeat_ms`` anyway.
+        """
+        if progress is not None:
+            self._progress = progress
+            self._progress_set = True
+        notify = self._notify
+        if notify is not None:
+            notify()
+
+    def _take_progress(self) -> tuple[bool, Any]:
+        if not self._progress_set:
+            return False, None
+        self._progress_set = False
+        return True, self._progress
+
+    # -- cancellation --------------------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker cancelled this body (see `cancel_reason`)."""
+        return self._cancel_reason is not None
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """``fenced``, ``run_terminal``, ``lost``, ``shutdown``, or None."""
+        return self._cancel_reason
+
+    def check_cancelled(self) -> None:
+        """Raise `stepd.Cancelled` if the body was cancelled (for loops in sync bodies).
+
+        Raises:
+            Cancelled: with the reason.
+        """
+        reason = self._cancel_reason
+        if reason is not None:
+            raise Cancelled(reason)
+
+    def _cancel(self, reason: str) -> bool:
+        """Cancel the body (called on the worker's loop). Returns False if it already was."""
+        if self._cancel_reason is not None:
+            return False
+        self._cancel_reason = reason
+        self.cancel_event.set()
+        self.cancel_scope.cancel()
+        return True
+
+    # -- what complete sends ---------------------------------------------------------------
+
+    def _completion(self, output: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"output": output}
+        if self._patch:
+            body["state_patch"] = dict(self._patch)
+        if self._usage is not None:
+            body["usage"] = dict(self._usage)
+        if self._spans:
+            body["spans"] = [s.to_json() for s in self._spans]
+        return body

@@ -1,0 +1,302 @@
+"""``stepd.embedded(path)``: the daemon inside this process, without sockets.
+
+Two forms, one object::
+
+    with stepd.embedded("./data") as daemon:          # sync: the engine runs on a
+        client = stepd.Client(daemon)                   # background event-loop thread
+        ...
+
+    async with stepd.embedded("./data") as daemon:    # async: the engine runs in the
+        client = stepd.AsyncClient(daemon)              # caller's loop (asyncio or trio)
+        ...
+
+`stepd.Client`, `stepd.AsyncClient` and `stepd.Worker` take the daemon in
+place of a URL and behave exactly as over the network: every call goes
+through the in-process transport (`stepd.transport.inprocess.InProcess`: the
+daemon's own protocol handler, the same validation and errors as HTTP, values
+copied across), and a worker receives its leases by in-process push (the
+engine's push session, the WebSocket's credit protocol without the socket).
+
+Where things run. The engine lives on one event loop: the background thread's
+in the sync form, the caller's in the async form. A worker always runs its
+leases on that loop (async bodies run there; sync bodies in its thread pool),
+so a step costs no thread hop. Calls from elsewhere cross over: a sync call
+from another thread through the loop's token (or the sync form's portal), an
+async call from another loop through a worker thread.
+
+Leaving the context stops the workers still serving this daemon (bodies not
+done are failed back as ``retryable``), then closes the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+
+from stepd._errors import translate
+
+if TYPE_CHECKING:
+    from stepd.actors.daemon import Engine
+    from stepd.transport.inprocess import InProcess
+    from stepd.transport.protocol import Protocol
+    from stepd.worker import Worker
+
+__all__ = ["Embedded", "embedded"]
+
+T = TypeVar("T")
+
+STOP_WORKERS_TIMEOUT_S = 30.0
+"""How long closing waits for the workers it stops (they fail back what they ran)."""
+
+
+class Embedded:
+    """A daemon running in this process. Create it with `stepd.embedded`.
+
+    Use it as ``with`` (sync form) or ``async with`` (async form), once.
+
+    Attributes:
+        path: the data directory.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        lease_ttl_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+        recovery_window_ms: int | None = None,
+        max_request_ms: int | None = None,
+        prices: Any = None,
+        audit: bool = False,
+        backend: str = "asyncio",
+    ) -> None:
+        self.path = Path(path)
+        self._settings = {
+            k: v for k, v in {
+                "lease_ttl_ms": lease_ttl_ms, "heartbeat_ms": heartbeat_ms,
+                "recovery_window_ms": recovery_window_ms, "max_request_ms": max_request_ms,
+            }.items() if v is not None
+        }
+        self._prices = prices
+        self._audit = audit
+        self._backend = backend
+        self._engine: Engine | None = None
+        self._protocol: Protocol | None = None
+        self._inprocess: InProcess | None = None
+        self._token: Any = None
+        self._loop_thread: int | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._portal_cm: Any = None
+        self._context_cm: Any = None
+        self._async_cm: Any = None
+        self._used = False
+        self._workers: set[Worker] = set()
+
+    def __repr__(self) -> str:
+        state = "open" if self._engine is not None else "closed"
+        return f"<stepd.Embedded {str(self.path)!r} {state}>"
+
+    # -- what the SDK reaches ---------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine (for tests and tools; the SDK goes through `inprocess`).
+
+        Raises:
+            RuntimeError: the daemon is not open.
+        """
+        if self._engine is None:
+            raise RuntimeError("the embedded daemon is not open: use `with stepd.embedded(...)`")
+        return self._engine
+
+    @property
+    def inprocess(self) -> InProcess:
+        """The in-process transport every SDK call goes through."""
+        if self._inprocess is None:
+            raise RuntimeError("the embedded daemon is not open: use `with stepd.embedded(...)`")
+        return self._inprocess
+
+    @property
+    def config(self) -> Any:
+        """The engine's `EngineConfig`."""
+        return self.engine.config
+
+    def on_loop(self) -> bool:
+        """True when called on the thread that runs the engine's event loop."""
+        return threading.get_ident() == self._loop_thread
+
+    def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` on the engine's loop from another thread; wait for it.
+
+        Raises:
+            RuntimeError: called on the engine's own loop thread (it would
+                deadlock: use the async API there), or the daemon is closed.
+            whatever ``fn`` raises, translated to the SDK's errors.
+        """
+        if self._token is None:
+            raise RuntimeError("the embedded daemon is not open")
+        if self.on_loop():
+            raise RuntimeError(
+                "a blocking stepd call on the embedded daemon's own event loop would deadlock; "
+                "use stepd.AsyncClient (and `await worker.run()`) inside the loop"
+            )
+        try:
+            if self._portal is not None:
+                return self._portal.call(fn, *args)
+            return anyio.from_thread.run(fn, *args, token=self._token)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - translated and re-raised
+            raise translate(exc) from None
+
+    async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` on the engine's loop, from any loop.
+
+        Raises:
+            whatever ``fn`` raises, translated to the SDK's errors.
+        """
+        if self.on_loop():
+            try:
+                return await fn(*args)
+            except Exception as exc:  # noqa: BLE001 - translated and re-raised
+                raise translate(exc) from None
+        return await anyio.to_thread.run_sync(self.call_blocking, fn, *args,
+                                              abandon_on_cancel=True)
+
+    # -- workers ------------------------------------------------------------------------
+
+    def _attach(self, worker: Worker) -> None:
+        self._workers.add(worker)
+
+    def _detach(self, worker: Worker) -> None:
+        self._workers.discard(worker)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _open(self) -> AsyncIterator[Embedded]:
+        from stepd.actors.daemon import Engine, EngineConfig
+        from stepd.engine.pricing import PriceBook
+        from stepd.transport.audit import AuditLog
+        from stepd.transport.auth import KeyRing
+        from stepd.transport.inprocess import InProcess
+        from stepd.transport.protocol import Protocol
+
+        prices = self._prices
+        if isinstance(prices, (str, Path)):
+            prices = PriceBook.load(prices)
+        settings: dict[str, Any] = dict(self._settings)
+        if prices is not None:
+            settings["prices"] = prices
+        config = EngineConfig(**settings)
+        await anyio.to_thread.run_sync(lambda: self.path.mkdir(parents=True, exist_ok=True))
+        async with Engine.open(str(self.path), config=config) as engine:
+            protocol = Protocol(engine, keyring=KeyRing.from_config(),
+                                audit=AuditLog(engine.storage) if self._audit else None)
+            self._engine, self._protocol = engine, protocol
+            self._inprocess = InProcess(protocol)
+            self._token = anyio.lowlevel.current_token()
+            self._loop_thread = threading.get_ident()
+            try:
+                yield self
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._stop_workers()
+                self._token = None
+                self._inprocess = None
+                self._protocol = None
+                self._engine = None
+
+    async def _stop_workers(self) -> None:
+        workers = list(self._workers)
+        for worker in workers:
+            worker._stop_here(0.0)
+        with anyio.move_on_after(STOP_WORKERS_TIMEOUT_S):
+            for worker in workers:
+                await worker._wait_stopped()
+
+    def _claim_use(self) -> None:
+        if self._used:
+            raise RuntimeError("an Embedded daemon can be opened once; call stepd.embedded() again")
+        self._used = True
+
+    def __enter__(self) -> Self:
+        self._claim_use()
+        self._portal_cm = anyio.from_thread.start_blocking_portal(self._backend)
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._context_cm = self._portal.wrap_async_context_manager(self._open())
+            self._context_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = None
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            self._context_cm.__exit__(exc_type, exc, tb)
+        finally:
+            portal_cm, self._portal_cm = self._portal_cm, None
+            self._portal = None
+            portal_cm.__exit__(None, None, None)
+
+    async def __aenter__(self) -> Self:
+        self._claim_use()
+        self._async_cm = self._open()
+        await self._async_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._async_cm.__aexit__(exc_type, exc, tb)
+
+
+def embedded(
+    path: str | Path,
+    *,
+    lease_ttl_ms: int | None = None,
+    heartbeat_ms: int | None = None,
+    recovery_window_ms: int | None = None,
+    max_request_ms: int | None = None,
+    prices: Any = None,
+    audit: bool = False,
+    backend: str = "asyncio",
+) -> Embedded:
+    """A daemon in this process on the data directory ``path`` (created if missing).
+
+    Use it as ``with stepd.embedded(path) as daemon:`` (the engine runs on a
+    background event-loop thread; sync code works unchanged) or
+    ``async with stepd.embedded(path) as daemon:`` (in the caller's loop,
+    asyncio or trio). Pass the daemon to `stepd.Client`, `stepd.AsyncClient`
+    or `stepd.Worker` in place of a URL.
+
+    Args:
+        path: the data directory (LMDB). One process may open it at a time.
+        lease_ttl_ms, heartbeat_ms, recovery_window_ms, max_request_ms: the
+            protocol's numbers (PROTOCOL.md "Defaults"); None keeps the default.
+        prices: a price book: a `stepd.engine.pricing.PriceBook`, or the path of
+            its TOML file.
+        audit: keep the audit log of runs calls, as ``stepd serve`` does
+            (off by default: every caller is this process).
+        backend: the sync form's event loop, ``"asyncio"`` or ``"trio"`` (the
+            async form runs on the caller's).
+
+    Returns:
+        An `Embedded`, to open with ``with`` or ``async with``.
+
+    Raises:
+        Invalid: a setting out of range (on entering).
+        storage errors: the directory is in use or cannot be opened (on entering).
+    """
+    return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
+                    recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
+                    prices=prices, audit=audit, backend=backend)
