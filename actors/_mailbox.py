@@ -1,11 +1,14 @@
 """What travels through a mailbox besides plain told messages.
 
-A mailbox is a bounded anyio memory object stream (`Mailbox`). A *tell* puts
-the message itself in it: no envelope. An *ask* puts an `Ask`, which is both
-the envelope and the one-shot reply slot: the caller waits on it, the actor
-fills it. That makes an ask one mailbox send plus one reply wake-up, with one
-small object and one anyio Event allocated per ask, and no task or cancel
-scope unless the caller gave a timeout.
+A mailbox (`Mailbox`) is a bounded queue with the interface of an anyio memory
+object stream pair (`tx.send`/`send_nowait`, `rx.receive`/`receive_nowait`,
+`close`), built on a deque and the backend's own wake-up (`Waiter`): the
+actor loop and every ask pass through it, and anyio's streams cost several
+times more per message. A *tell* puts the message itself in it: no envelope.
+An *ask* puts an `Ask`, which is both the envelope and the one-shot reply
+slot: the caller waits on it, the actor fills it. That makes an ask one
+mailbox send plus one reply wake-up, with one small object and one `Waiter`
+per ask, and no task or cancel scope unless the caller gave a timeout.
 
 `WAKE` is a private token the runtime drops into a mailbox (non-blocking, at
 most one at a time) to wake an idle actor when something arrives on its
@@ -17,8 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from collections import deque
+
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+import anyio.lowlevel
+
+from ._waiter import Waiter
 
 __all__ = ["WAKE", "Ask", "Mailbox"]
 
@@ -49,7 +56,7 @@ class Ask:
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
-        self._event: anyio.Event | None = None
+        self._event: Waiter | None = None
 
     @property
     def done(self) -> bool:
@@ -74,7 +81,7 @@ class Ask:
     async def wait(self) -> Any:
         """Wait for the reply and return it (or raise the error it carries)."""
         if not self._done:
-            event = self._event = anyio.Event()
+            event = self._event = Waiter()
             await event.wait()
         if self._error is not None:
             error, self._error = self._error, None
@@ -86,20 +93,101 @@ class Ask:
 
 
 class Mailbox:
-    """The two ends of one incarnation's bounded memory object stream."""
+    """One incarnation's bounded queue, with memory-stream-like ends `tx` and `rx`.
 
-    __slots__ = ("rx", "size", "tx")
+    Sends beyond `size` wait (`send`) or raise `anyio.WouldBlock`
+    (`send_nowait`); after `close()`, sends raise `anyio.ClosedResourceError`
+    and receives drain what is left, then raise `anyio.EndOfStream`.
+    """
+
+    __slots__ = ("_closed", "_items", "_receiver", "_senders", "rx", "size", "tx")
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.tx: MemoryObjectSendStream[object]
-        self.rx: MemoryObjectReceiveStream[object]
-        self.tx, self.rx = anyio.create_memory_object_stream[object](size)
+        self._items: deque[object] = deque()
+        self._receiver: Waiter | None = None  # the actor loop, parked on an empty box
+        self._senders: deque[Waiter] = deque()  # tells parked on a full box
+        self._closed = False
+        self.tx = _Tx(self)
+        self.rx = _Rx(self)
 
     def depth(self) -> int:
         """Return how many items wait in the buffer (including a WAKE token)."""
-        return self.rx.statistics().current_buffer_used
+        return len(self._items)
 
     def close(self) -> None:
-        self.rx.close()
-        self.tx.close()
+        self._closed = True
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.set()
+        while self._senders:
+            self._senders.popleft().set()
+
+    # -- the two ends -----------------------------------------------------
+
+    def send_nowait(self, item: object) -> None:
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if len(self._items) >= self.size:
+            raise anyio.WouldBlock
+        self._items.append(item)
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            receiver.set()
+
+    async def send(self, item: object) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                self.send_nowait(item)
+            except anyio.WouldBlock:
+                waiter = Waiter()
+                self._senders.append(waiter)
+                try:
+                    await waiter.wait()
+                finally:
+                    if not waiter.is_set():
+                        self._senders.remove(waiter)
+                continue
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            return
+
+    def receive_nowait(self) -> object:
+        items = self._items
+        if items:
+            item = items.popleft()
+            if self._senders:
+                self._senders.popleft().set()
+            return item
+        if self._closed:
+            raise anyio.EndOfStream
+        raise anyio.WouldBlock
+
+    async def receive(self) -> object:
+        while True:
+            try:
+                return self.receive_nowait()
+            except anyio.WouldBlock:
+                waiter = self._receiver = Waiter()
+                try:
+                    await waiter.wait()
+                finally:
+                    if self._receiver is waiter:
+                        self._receiver = None
+
+
+class _Tx:
+    __slots__ = ("send", "send_nowait")
+
+    def __init__(self, box: Mailbox) -> None:
+        self.send = box.send
+        self.send_nowait = box.send_nowait
+
+
+class _Rx:
+    __slots__ = ("receive", "receive_nowait")
+
+    def __init__(self, box: Mailbox) -> None:
+        self.receive = box.receive
+        self.receive_nowait = box.receive_nowait

@@ -119,10 +119,19 @@ def test_runtime_imports_nothing_of_the_daemon_or_io() -> None:
     assert result.stdout.strip() == "", f"stepd.actors pulled in: {result.stdout}"
 
 
+#: The one module allowed to touch the backends: `Waiter` parks a task on the
+#: backend's own primitive (a future, a trio reschedule), the runtime's hottest
+#: wait, where anyio's Event costs several times more (measured in bench/actors.py
+#: and docs/actors.md). Everything else stays anyio-only.
+BACKEND_SHIM = "_waiter.py"
+
+
 def test_runtime_source_imports_no_backend_directly() -> None:
     """Backend-agnostic: anyio only, never asyncio or trio (STYLE.md rule 7)."""
     offenders = []
     for path in ACTORS_DIR.glob("*.py"):
+        if path.name == BACKEND_SHIM:
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -1,0 +1,84 @@
+"""A one-shot wake-up on the running backend's own primitive.
+
+Every ask waits for one reply and every idle actor waits for one message: the
+runtime's hottest waits. `anyio.Event` is correct but goes through the backend
+lookup, an `asyncio.Event` (a set of futures) or a trio `ParkingLot` each
+time. `Waiter` waits on the most direct thing each backend has: a bare future
+on asyncio, `wait_task_rescheduled` on trio. It has the same contract as a
+one-shot event: `set()` (from the event loop thread) wakes the one waiter, or
+makes the next `wait()` return at once; cancellation (an anyio cancel scope,
+`fail_after`) interrupts `wait()` normally.
+
+Only the waiting side needs to know the backend; `set()` is a plain call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+try:  # trio is a dependency, but the runtime must not need it on asyncio
+    import trio.lowlevel as _trio_lowlevel
+except ImportError:  # pragma: no cover
+    _trio_lowlevel = None  # type: ignore[assignment]
+
+__all__ = ["Waiter"]
+
+_get_running_loop = asyncio.get_running_loop
+
+
+class Waiter:
+    """Wake one waiting task, once."""
+
+    __slots__ = ("_fut", "_is_set", "_task")
+
+    def __init__(self) -> None:
+        self._is_set = False
+        self._fut: asyncio.Future[None] | None = None
+        self._task: Any = None  # a trio task parked in wait()
+
+    def is_set(self) -> bool:
+        return self._is_set
+
+    def set(self) -> None:
+        if self._is_set:
+            return
+        self._is_set = True
+        fut = self._fut
+        if fut is not None:
+            self._fut = None
+            if not fut.done():
+                fut.set_result(None)
+            return
+        task = self._task
+        if task is not None:
+            self._task = None
+            _trio_lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        """Return once `set()` was called (at once if it was already).
+
+        Raises:
+            the backend's cancellation exception, if cancelled meanwhile.
+        """
+        if self._is_set:
+            return
+        try:
+            loop = _get_running_loop()
+        except RuntimeError:
+            await self._wait_trio()
+            return
+        fut = self._fut = loop.create_future()
+        try:
+            await fut
+        finally:
+            self._fut = None
+
+    async def _wait_trio(self) -> None:
+        self._task = _trio_lowlevel.current_task()
+
+        def abort(_: object) -> Any:
+            self._task = None  # set() must not reschedule a task that left
+            return _trio_lowlevel.Abort.SUCCEEDED
+
+        await _trio_lowlevel.wait_task_rescheduled(abort)
