@@ -215,36 +215,50 @@ class Daemon:
                 ws_per_message_deflate=False,
                 timeout_graceful_shutdown=1,
             ))
+            startup_error: StartupError | None = None
             async with anyio.create_task_group() as tg:
                 served = anyio.Event()
                 failure: list[BaseException] = []
                 tg.start_soon(self._serve_uvicorn, server, served, failure)
                 while not server.started:
                     if served.is_set():
-                        raise StartupError(
+                        # Raised after the task group, so it leaves unwrapped.
+                        startup_error = StartupError(
                             f"cannot listen on {_url(config.host, config.port)}"
-                        ) from (failure[0] if failure else None)
+                        )
+                        startup_error.__cause__ = failure[0] if failure else None
+                        tg.cancel_scope.cancel()
+                        break
                     await anyio.sleep(0.002)
-                sockets = server.servers[0].sockets if server.servers else ()
-                self.port = sockets[0].getsockname()[1] if sockets else config.port
-                self.url = _url(config.host, self.port)
-                if self._stop.is_set():
-                    protocol.begin_drain()
-                self.announce(
-                    f"stepd listening on {self.url} data={engine.storage.path} "
-                    f"auth={'on' if keyring.enabled else 'off'} keys={len(keyring.key_ids())}"
-                )
-                task_status.started(self)
-                with _signals_to(self, tg):
-                    await self._stop.wait()
-                    await self._drain(protocol)
-                server.should_exit = True
-                if self.forced:
-                    server.force_exit = True
-                with anyio.move_on_after(5):
-                    await served.wait()
-                tg.cancel_scope.cancel()
+                else:
+                    await self._serve(config, server, served, protocol, engine, keyring, tg,
+                                      task_status)
+            if startup_error is not None:
+                raise startup_error
         return 0
+
+    async def _serve(self, config: Any, server: Any, served: anyio.Event, protocol: Any,
+                     engine: Any, keyring: Any, tg: Any, task_status: Any) -> None:
+        """Listening: announce, serve until told to stop, drain, then stop uvicorn."""
+        sockets = server.servers[0].sockets if server.servers else ()
+        self.port = sockets[0].getsockname()[1] if sockets else config.port
+        self.url = _url(config.host, self.port)
+        if self._stop.is_set():
+            protocol.begin_drain()
+        self.announce(
+            f"stepd listening on {self.url} data={engine.storage.path} "
+            f"auth={'on' if keyring.enabled else 'off'} keys={len(keyring.key_ids())}"
+        )
+        task_status.started(self)
+        with _signals_to(self, tg):
+            await self._stop.wait()
+            await self._drain(protocol)
+        server.should_exit = True
+        if self.forced:
+            server.force_exit = True
+        with anyio.move_on_after(5):
+            await served.wait()
+        tg.cancel_scope.cancel()
 
     async def _drain(self, protocol: Protocol) -> None:
         """Stages 1-4: refuse, stop leasing, close WebSockets, wait for what is in flight.

@@ -697,16 +697,19 @@ class Engine:
         except ActorNotFound:
             return False
 
-    async def start_lease_actor(self, record: LeaseRecord, workflow: str) -> None:
+    async def start_lease_actor(self, record: LeaseRecord, workflow: str, *, fresh: bool = True) -> None:
+        """Start the actor of a lease: `fresh` for a new offer, else rebuilt from storage."""
         first = [True]
 
         def start() -> LeaseActor:
             restarted = not first[0]
             first[0] = False
-            return LeaseActor(self, record, restarted=restarted)
+            return LeaseActor(self, record, restarted=restarted, fresh=fresh)
 
         try:
-            await self.system.supervisor("/leases").start_child(
+            # A new lease's actor is handed its record: its on_start loads
+            # nothing, so nobody waits for the startup handshake.
+            self.system.supervisor("/leases").start_child_nowait(
                 ChildSpec(record.lease_id, start, restart=Restart.TRANSIENT)
             )
         except ChildExists:

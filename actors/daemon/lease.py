@@ -47,10 +47,13 @@ class LeaseActor(Actor):
     kind = "lease"
     reply_errors = (Conflict, Invalid)
 
-    def __init__(self, engine: Engine, record: LeaseRecord, *, restarted: bool = False) -> None:
+    def __init__(
+        self, engine: Engine, record: LeaseRecord, *, restarted: bool = False, fresh: bool = True
+    ) -> None:
         self.engine = engine
         self._initial = record
         self._restarted = restarted
+        self._fresh = fresh and not restarted  # just offered: the TTL runs from the offer
         self.machine: LeaseMachine
 
     async def on_start(self) -> None:
@@ -60,9 +63,11 @@ class LeaseActor(Actor):
             raw = e.storage.get(store.LEASES, record.lease_id)
             if isinstance(raw, dict):
                 record = LeaseRecord.from_dict(raw)
+        # A lease just offered expires a TTL after the offer (its actor may start
+        # a little later); one rebuilt after a restart gets a full TTL from now.
         self.machine = LeaseMachine(
             record, ttl_ms=e.config.lease_ttl_ms, window_ms=e.config.recovery_window_ms,
-            now=self.clock.time_ms(),
+            now=record.offered_at if self._fresh else self.clock.time_ms(),
         )
         if not record.status.live:
             self.stop()
@@ -130,6 +135,14 @@ class LeaseActor(Actor):
         if final is not None:
             stored["status"] = final.value
             stored["ended_at"] = now
+        elif rec.delivery == "at_least_once":
+            # Nothing durable is acknowledged by an at_least_once `started`
+            # (PROTOCOL.md asks that only of at_most_once): tell the run and
+            # answer now. The run's mailbox keeps it ahead of this lease's
+            # `complete`; if the run refuses it, that `complete` hears why.
+            await self.engine.tell_run(rec.run_id, ApplyAttempt(rec.lease_id, call.op, stored, event))
+            self._arm()
+            return {}
         try:
             await self.engine.ask_run(rec.run_id, ApplyAttempt(rec.lease_id, call.op, stored, event))
         except (Fenced, RunTerminal) as exc:

@@ -225,7 +225,13 @@ class RunActor(Actor):
             slot = self.machine.record.frame.slot(msg.event.item_index)
             queued_at = None if slot is None else slot.queued_at
         now = self.clock.time_ms()
-        tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+        if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
+            try:
+                tr = self.machine.handle(msg.event, now)
+            except Conflict:
+                return  # told, not asked: the lease's next call gets the refusal
+        else:
+            tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
         if queued_at is not None:
             self.engine.sample_schedule_to_start((now - queued_at) / 1000.0)
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
@@ -370,7 +376,8 @@ class RunActor(Actor):
                 # its actor was started with the offer.
                 continue
             if not e.lease_actor_alive(lease_id):
-                await e.start_lease_actor(LeaseRecord.from_dict(raw), self.machine.record.workflow)
+                await e.start_lease_actor(LeaseRecord.from_dict(raw), self.machine.record.workflow,
+                                          fresh=False)
 
     def _arm(self) -> None:
         due = self.machine.next_deadline()
