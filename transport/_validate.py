@@ -35,14 +35,62 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+JSON_INT_MIN: Final = -(2**63)
+JSON_INT_MAX: Final = 2**64 - 1
+
+
+def _stored_int(text: str) -> int:
+    # The storage codec (msgpack) holds integers from -2**63 to 2**64-1; one
+    # outside that range would fail the write that stores it (and a failed
+    # deferred write stops the daemon), so it is refused here, with a 400.
+    value = int(text)
+    if not JSON_INT_MIN <= value <= JSON_INT_MAX:
+        shown = text if len(text) <= 24 else text[:24] + "..."
+        raise ValueError(f"integer {shown} is out of range (-2**63 to 2**64-1)")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    # `1e400` parses as infinity, which JSON cannot carry back out (the run
+    # would become unreadable): refused like the NaN/Infinity literals.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:24]} is out of range for a double")
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse lone surrogates (``"\\ud800"``): they cannot be stored as UTF-8."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            k.encode("utf-8")
+            _check_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v)
+
+
 def decode_json(data: bytes | str) -> Any:
-    """Parse a JSON document strictly (no ``NaN``/``Infinity``).
+    """Parse a JSON document strictly: no ``NaN``/``Infinity``, no number or
+    string the storage could not hold (so a bad value is a 400 here, never a
+    failed write later).
 
     Raises:
         Invalid: not UTF-8, not JSON (``field`` None; the message says where).
     """
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        value = json.loads(data, parse_constant=_refuse_constant, parse_int=_stored_int,
+                           parse_float=_finite_float)
+        # A lone surrogate can only come from a \u escape: look only then.
+        if ("\\ud" in data or "\\uD" in data) if isinstance(data, str) else (
+                b"\\ud" in data or b"\\uD" in data):
+            _check_strings(value)
+        return value
+    except UnicodeEncodeError:
+        raise Invalid("the body is not valid JSON: a string holds a lone surrogate "
+                      "(\\ud800-\\udfff without its pair)") from None
     except UnicodeDecodeError as exc:
         raise Invalid(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
@@ -67,9 +115,12 @@ def copy_json(value: Any) -> Any:
     """
     try:
         text = JSON_ENCODER.encode(value)
+        text.encode("utf-8")  # a lone surrogate cannot be stored
+        return json.loads(text, parse_int=_stored_int)
+    except UnicodeEncodeError:
+        raise Invalid("not JSON: a string holds a lone surrogate") from None
     except (TypeError, ValueError) as exc:
         raise Invalid(f"not JSON: {exc}") from None
-    return json.loads(text)
 
 
 

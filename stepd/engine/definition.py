@@ -561,7 +561,7 @@ def _parse_definition(obj: Mapping[str, Any]) -> Definition:
             )
         steps.append(step)
     budgets = parse_budgets(obj["budgets"]) if "budgets" in obj else _NO_BUDGETS
-    deadline_ms = _optional_int(obj.get("deadline_ms"), "deadline_ms", minimum=1)
+    deadline_ms = _optional_int(obj.get("deadline_ms"), "deadline_ms", minimum=1, maximum=MAX_DURATION_MS)
     return Definition(
         name=name,
         steps=tuple(steps),
@@ -611,7 +611,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             body=_name(obj["body"], f"{where}.body"),
             input=refs.json(obj.get("input", "${input}"), f"{where}.input", item=False),
             retry=_retry(obj, where),
-            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1),
+            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1, maximum=MAX_DURATION_MS),
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
@@ -625,7 +625,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             max_parallel=_optional_int(obj.get("max_parallel"), f"{where}.max_parallel", minimum=1),
             input=refs.json(obj.get("input", "${item}"), f"{where}.input", item=True),
             retry=_retry(obj, where),
-            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1),
+            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1, maximum=MAX_DURATION_MS),
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
@@ -634,14 +634,14 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
         return WaitStep(
             id=step_id,
             event=_name(obj["event"], f"{where}.event"),
-            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1),
+            timeout_ms=_optional_int(obj.get("timeout_ms"), f"{where}.timeout_ms", minimum=1, maximum=MAX_DURATION_MS),
             into=_optional_name(obj.get("into"), f"{where}.into"),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
         )
     if kind is StepKind.SLEEP:
         return SleepStep(
             id=step_id,
-            duration_ms=_int(obj["duration_ms"], f"{where}.duration_ms", minimum=0),
+            duration_ms=_int(obj["duration_ms"], f"{where}.duration_ms", minimum=0, maximum=MAX_DURATION_MS),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
         )
     return StartWorkflowsStep(
@@ -745,6 +745,7 @@ def parse_retry(obj: Any, *, field: str = "retry") -> RetryPolicy:
         raw.get("initial_backoff_ms", default.initial_backoff_ms),
         f"{where}.initial_backoff_ms",
         minimum=0,
+        maximum=MAX_DURATION_MS,
     )
     factor = raw.get("backoff_factor", default.backoff_factor)
     if (
@@ -758,7 +759,8 @@ def parse_retry(obj: Any, *, field: str = "retry") -> RetryPolicy:
             field=f"{where}.backoff_factor",
         )
     max_backoff = _int(
-        raw.get("max_backoff_ms", default.max_backoff_ms), f"{where}.max_backoff_ms", minimum=0
+        raw.get("max_backoff_ms", default.max_backoff_ms), f"{where}.max_backoff_ms", minimum=0,
+        maximum=MAX_DURATION_MS,
     )
     retry_on = _retry_on(raw.get("retry_on", []), f"{where}.retry_on")
     return RetryPolicy(
@@ -859,17 +861,29 @@ def _step_id(value: Any, where: str, *, what: str = "a step id") -> str:
     return value
 
 
-def _int(value: Any, where: str, *, minimum: int) -> int:
+#: The longest duration a definition may name (timeouts, sleeps, backoff,
+#: deadlines): ten years in milliseconds. Beyond it a due time stops being a
+#: date anyone can print, and a deadline that far is a mistake, not a plan.
+MAX_DURATION_MS: Final = 10 * 365 * 24 * 3600 * 1000
+#: Every other integer fits the storage codec (msgpack: 64 bits).
+MAX_INT: Final = 2**63 - 1
+
+
+def _int(value: Any, where: str, *, minimum: int, maximum: int = MAX_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise Invalid(f"must be an integer >= {minimum}, got {_show(value)}", field=where)
+    if value > maximum:
+        raise Invalid(f"must be at most {maximum}, got {_show(value)}", field=where)
     return int(value)
 
 
-def _optional_int(value: Any, where: str, *, minimum: int) -> int | None:
+def _optional_int(value: Any, where: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise Invalid(f"must be an integer >= {minimum} or null, got {_show(value)}", field=where)
+    if value > maximum:
+        raise Invalid(f"must be at most {maximum}, got {_show(value)}", field=where)
     return int(value)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from .canonical import state_bytes as canonical_state_bytes
 from .definition import (
+    MAX_DURATION_MS,
     Definition,
     Delivery,
     ForEachStep,
@@ -143,9 +144,11 @@ class RunMachine:
             Invalid: `deadline_ms` is not a positive integer.
         """
         if deadline_ms is not None and (
-            not isinstance(deadline_ms, int) or isinstance(deadline_ms, bool) or deadline_ms <= 0
+            not isinstance(deadline_ms, int) or isinstance(deadline_ms, bool)
+            or not 0 < deadline_ms <= MAX_DURATION_MS
         ):
-            raise Invalid("must be a positive integer (milliseconds)", field="deadline_ms")
+            raise Invalid(f"must be an integer from 1 to {MAX_DURATION_MS} (milliseconds)",
+                          field="deadline_ms")
         deadline = deadline_ms if deadline_ms is not None else definition.deadline_ms
         record = RunRecord(
             run_id=run_id,
