@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--runs-1", type=int, default=30, help="runs measured one at a time")
     parser.add_argument("--runs-100", type=int, default=300, help="runs measured 100 at a time")
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument("--uvloop", action="store_true", help="asyncio on uvloop")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = synced_commit_baseline(Path(tmp) / "baseline")
@@ -150,6 +151,7 @@ def main() -> None:
             rows.append(anyio.run(
                 lambda: measure(path, concurrent=concurrent, runs=runs, steps=args.steps),
                 backend=args.backend,
+                backend_options={"use_uvloop": True} if args.uvloop else {},
             ))
     print(f"baseline: one synced LMDB commit, median {base * 1000:.3f} ms (same disk, same run)")
     print(f"{'concurrent runs':>16} {'steps/s':>10} {'per-step median':>16} {'p99':>10} {'median / commit':>16}")
