@@ -24,6 +24,8 @@ See docs/sdk.md.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -100,6 +102,26 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the submodule ``stepd.embedded`` never shadows the function.
+
+    Importing a submodule binds it on its package, so the first
+    ``import stepd.embedded`` (``stepd.Client(url)`` does one) would otherwise
+    replace the lazily exported function ``stepd.embedded`` with the module, and
+    ``stepd.embedded(path)`` would fail depending on import order. The module stays
+    reachable as ``sys.modules["stepd.embedded"]`` and through
+    ``from stepd.embedded import Embedded``.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "embedded" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:

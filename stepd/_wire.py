@@ -116,6 +116,15 @@ def workers() -> Call:
     return Call("workers", "GET", "/v1/api/workers", idempotent=True)
 
 
+def actors() -> Call:
+    return Call("actors", "GET", "/v1/api/actors", idempotent=True)
+
+
+def kill_actor(path: str) -> Call:
+    # Not retried: a second kill would kill the restarted actor.
+    return Call("kill", "POST", "/v1/api/actors/kill", body={"path": path})
+
+
 # --------------------------------------------------------------------------- worker calls
 
 

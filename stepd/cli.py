@@ -1,16 +1,27 @@
-"""The ``stepd`` command line: a click group, ``main``.
+"""The ``stepd`` command line: a click group, ``main`` (docs/cli.md).
 
-Commands so far: ``serve`` (the daemon; docs/serve.md). Every ``serve`` flag
-can also be set from the environment as ``STEPD_<FLAG>`` (``--lease-ttl-ms``
-is ``STEPD_LEASE_TTL_MS``); a repeatable key flag takes a comma-separated list
-there (``STEPD_WORKER_KEY=key1,key2``). A flag given on the command line wins
-over the environment.
+Commands: ``serve`` (the daemon; docs/serve.md), ``run start|status|list|
+journal|export|signal|cancel``, ``workers``, ``actors [kill PATH]`` (the
+client commands, in ``stepd._cli_runs`` and ``stepd._cli_ops``) and ``demo``
+(``stepd._cli_demo``).
+
+Every ``serve`` flag can also be set from the environment as
+``STEPD_<FLAG>`` (``--lease-ttl-ms`` is ``STEPD_LEASE_TTL_MS``); a repeatable
+key flag takes a comma-separated list there (``STEPD_WORKER_KEY=key1,key2``).
+A flag given on the command line wins over the environment. The client
+commands take ``--url`` (``STEPD_URL``) and ``--key`` (``STEPD_KEY``).
+
+Errors are one line on stderr, ``error: ...``, with the exit codes of
+``stepd._cli_common`` (1 error, 2 usage, 3 not found, 4 conflict, 5 daemon
+unreachable, 6 key refused, 7 run failed under ``--wait``).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -46,9 +57,62 @@ def _key_option(scope: str) -> Callable[[F], F]:
                    help=f"an API key of scope '{scope}' (repeatable)")
 
 
-@click.group()
+class _Main(click.Group):
+    """The top-level group: every failure is one line on stderr and a documented exit code.
+
+    click's own usage errors (a missing argument, a bad flag) print as one line
+    too, ``error: <what> (see 'stepd run start --help')``, with exit status 2.
+    """
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            click.echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:  # `stepd run export R | head`: not an error
+                raise
+            sys.exit(0)
+        except Exception as exc:  # a bug: one line, the traceback on request
+            if os.environ.get("STEPD_DEBUG"):
+                raise
+            leaf = _leaf(exc)
+            click.echo(f"error: {type(leaf).__name__}: {_one_line(str(leaf))} "
+                       "(unexpected; set STEPD_DEBUG=1 for the traceback)", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-member exception groups (or ``exc`` itself)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+@click.group(cls=_Main)
 def main() -> None:
-    """stepd: a durable step orchestrator."""
+    """stepd: a durable step orchestrator.
+
+    Start with 'stepd demo'. The client commands reach the daemon at --url
+    (STEPD_URL, default http://127.0.0.1:7707) with --key (STEPD_KEY).
+    """
 
 
 @main.command()
@@ -97,7 +161,14 @@ def serve(**options: Any) -> None:
         options[f"{scope}_keys"] = tuple(k for k in options[f"{scope}_keys"] if k)
     config = ServeConfig(**options)
     try:
-        code = run(config)
+        try:
+            code = run(config)
+        except BaseExceptionGroup as group:
+            # The daemon raises from inside its task group: report the one error it holds.
+            leaf = _leaf(group)
+            if not isinstance(leaf, (Invalid, StartupError)):
+                raise
+            raise leaf from leaf.__cause__
     except Invalid as exc:
         click.echo(f"stepd serve: {exc}", err=True)
         sys.exit(2)
@@ -106,3 +177,15 @@ def serve(**options: Any) -> None:
         click.echo(f"stepd serve: {exc}{cause}", err=True)
         sys.exit(1)
     sys.exit(code)
+
+
+def _add_commands() -> None:
+    from stepd._cli_demo import demo
+    from stepd._cli_ops import actors, workers
+    from stepd._cli_runs import run as run_group
+
+    for command in (run_group, workers, actors, demo):
+        main.add_command(command)
+
+
+_add_commands()

@@ -560,6 +560,30 @@ class Client:
         """Registered workers: id, name, build, whether connected, their leases."""
         return list(self._backend.send(_wire.workers())["workers"])
 
+    def actors(self) -> dict[str, Any]:
+        """The daemon's supervision tree (admin scope): the root node, nested.
+
+        Each node has ``path``, ``kind``, ``state``, ``restarts``,
+        ``mailbox_depth``, ``mailbox_size``, ``timers``, ``started_at`` and
+        ``children``.
+
+        Raises:
+            Unauthorized, Forbidden: the key is not an admin key.
+        """
+        return dict(self._backend.send(_wire.actors())["tree"])
+
+    def kill_actor(self, path: str) -> None:
+        """Kill one actor (fault injection, admin scope); its supervisor restarts it.
+
+        Not retried (a second kill would hit the restarted actor).
+
+        Raises:
+            NotFound: no actor runs at ``path`` (or it is being restarted).
+            Invalid: ``path`` is not an actor path, or is the root.
+            Unauthorized, Forbidden: the key is not an admin key.
+        """
+        self._backend.send(_wire.kill_actor(path))
+
 
 class AsyncClient:
     """The async twin of `Client` (asyncio or trio); every method is a coroutine.
@@ -693,3 +717,11 @@ class AsyncClient:
     async def workers(self) -> list[dict[str, Any]]:
         """`Client.workers`."""
         return list((await self._backend.send(_wire.workers()))["workers"])
+
+    async def actors(self) -> dict[str, Any]:
+        """`Client.actors`."""
+        return dict((await self._backend.send(_wire.actors()))["tree"])
+
+    async def kill_actor(self, path: str) -> None:
+        """`Client.kill_actor`."""
+        await self._backend.send(_wire.kill_actor(path))

@@ -229,7 +229,11 @@ class Embedded:
 
     def __enter__(self) -> Self:
         self._claim_use()
-        self._portal_cm = anyio.from_thread.start_blocking_portal(self._backend)
+        from .worker import _loop_options
+
+        self._portal_cm = anyio.from_thread.start_blocking_portal(
+            self._backend
+        )
         self._portal = self._portal_cm.__enter__()
         try:
             self._context_cm = self._portal.wrap_async_context_manager(self._open())

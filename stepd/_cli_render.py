@@ -1,0 +1,367 @@
+"""How the ``stepd`` CLI shows runs, journals, workers and actors (rich renderables).
+
+Pure functions from the SDK's values (`RunStatus`, journal events as dicts,
+the actor tree as a dict) to rich objects or strings: no I/O, so the demo and
+the ``run`` commands share them and tests can call them directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from stepd._runs import RunStatus, RunSummary
+
+__all__ = [
+    "STATUS_STYLE",
+    "actor_tree",
+    "budget_table",
+    "event_detail",
+    "journal_line",
+    "journal_table",
+    "run_list_table",
+    "short_json",
+    "status_view",
+    "workers_table",
+]
+
+STATUS_STYLE: Final = {
+    "running": "cyan", "waiting": "yellow", "sleeping": "yellow", "completed": "green",
+    "failed": "red", "cancelled": "magenta", "timed_out": "red",
+}
+
+# Budget limit -> the run-level usage counter it bounds (WORKFLOWS.md "Budgets").
+_BUDGET_USAGE: Final = {
+    "max_transitions": "transitions",
+    "max_for_each_items": None,          # checked per for_each, before it expands
+    "max_state_bytes": "state_bytes",
+    "max_cost_units": "cost_units",
+    "max_started_workflows": "started_workflows",
+}
+
+_EVENT_STYLE: Final = {
+    "run_started": "bold", "run_completed": "bold green", "run_failed": "bold red",
+    "run_cancelled": "bold magenta", "run_timed_out": "bold red", "step_failed": "red",
+    "budget_exceeded": "bold red", "signal_rejected": "red", "step_orphaned": "yellow",
+    "step_recovered": "yellow", "step_revived": "yellow", "step_unservable": "yellow",
+    "step_completed": "green", "signal_received": "cyan", "timer_fired": "cyan",
+}
+
+
+def short_json(value: Any, limit: int = 120) -> str:
+    """Compact JSON, cut at ``limit`` characters."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _when(value: datetime.datetime | None, *, short: bool = False) -> str:
+    if value is None:
+        return "—"
+    utc = value.astimezone(datetime.UTC)
+    if short:
+        return utc.strftime("%Y-%m-%d %H:%M:%S")
+    return utc.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+
+
+def _ms(at: int | None) -> str:
+    if at is None:
+        return "—"
+    when = datetime.datetime.fromtimestamp(at / 1000, tz=datetime.UTC)
+    return when.strftime("%H:%M:%S.%f")[:-3]
+
+
+def _status_text(status: str) -> Text:
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def _tokens(usage: Mapping[str, Any] | Any) -> str:
+    get = usage.get if isinstance(usage, Mapping) else (lambda k, d=None: getattr(usage, k, d))
+    tokens_in = int(get("input_tokens", 0) or 0)
+    tokens_out = int(get("output_tokens", 0) or 0)
+    cost = float(get("cost_usd", 0.0) or 0.0)
+    return f"{tokens_in:,} in / {tokens_out:,} out, ${cost:.6f}"
+
+
+# --------------------------------------------------------------------------- run status
+
+
+def budget_table(status: RunStatus) -> Table:
+    """The five budgets: limit (— for none) and what the run has used."""
+    table = Table(title="budget", title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("budget")
+    table.add_column("limit", justify="right")
+    table.add_column("used", justify="right")
+    limits = dict(status.budget.limits)
+    usage = dict(status.budget.usage)
+    names = list(_BUDGET_USAGE) + [n for n in limits if n not in _BUDGET_USAGE]
+    for name in names:
+        limit = limits.get(name)
+        counter = _BUDGET_USAGE.get(name)
+        used = "(per for_each)" if counter is None else str(usage.get(counter, 0))
+        style = ""
+        if limit is not None and counter is not None and usage.get(counter, 0) > limit:
+            style = "red"
+        table.add_row(name, "—" if limit is None else str(limit), used, style=style)
+    return table
+
+
+def status_view(status: RunStatus, *, full: bool = True) -> Group:
+    """A run's status: identity, pins, timing, error, state and result, budget, tokens."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("run", Text(status.run_id))
+    grid.add_row("workflow", status.workflow)
+    grid.add_row("status", _status_text(status.status))
+    grid.add_row("version", status.definition_version or "—")
+    grid.add_row("hash", status.definition_hash or "—")
+    grid.add_row("idempotency key", status.idempotency_key or "—")
+    if status.correlation is not None:
+        grid.add_row("correlation", short_json(status.correlation))
+    if status.parent_run_id:
+        grid.add_row("parent run", status.parent_run_id)
+    grid.add_row("created", _when(status.created_at))
+    grid.add_row("updated", _when(status.updated_at))
+    if status.deadline_at is not None:
+        grid.add_row("deadline", _when(status.deadline_at))
+    if status.current_steps:
+        grid.add_row("current steps", ", ".join(status.current_steps))
+    if status.waiting_for:
+        grid.add_row("waiting for", Text(f"signal {status.waiting_for!r}", style="yellow"))
+    if status.error is not None:
+        where = f" at step {status.error.step_id!r}" if status.error.step_id else ""
+        grid.add_row("error", Text(f"{status.error.reason}{where}: {status.error.message}",
+                                   style="red"))
+    limit = 400 if full else 160
+    if full:
+        grid.add_row("input", short_json(status.input, limit))
+        grid.add_row("state", short_json(dict(status.state), limit))
+    if status.done or status.result is not None:
+        label = "result" if status.status == "completed" else "last output"
+        grid.add_row(label, short_json(status.result, limit))
+    grid.add_row("tokens", _tokens(status.usage))
+    return Group(grid, Text(""), budget_table(status))
+
+
+# --------------------------------------------------------------------------- journal
+
+
+def _worker_names(events: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for e in events:
+        if e.get("worker_id") and e.get("worker_name"):
+            names[str(e["worker_id"])] = str(e["worker_name"])
+    return names
+
+
+def _step(e: Mapping[str, Any]) -> str:
+    step = e.get("step_id")
+    if step is None:
+        return ""
+    index = e.get("item_index")
+    return f"{step}[{index}]" if index is not None else str(step)
+
+
+_SHOWN: Final = frozenset({"seq", "type", "at", "step_id", "item_index", "attempt", "worker_id",
+                           "worker_name", "fence", "lease_id", "visit"})
+
+
+def event_detail(e: Mapping[str, Any]) -> str:
+    """The part of a journal event the fixed columns do not show, readably."""
+    kind = e.get("type")
+    if kind == "run_started":
+        parts = [f"{e.get('workflow')}"]
+        if e.get("version"):
+            parts.append(f"version {e['version']}")
+        parts.append(f"hash {str(e.get('definition_hash', ''))[:12]}")
+        if e.get("idempotency_key"):
+            parts.append(f"key {e['idempotency_key']!r}")
+        return ", ".join(parts)
+    if kind == "step_scheduled":
+        return f"{e.get('kind')}" + (f" (visit {e['visit']})" if e.get("visit", 1) != 1 else "")
+    if kind == "step_offered":
+        return f"lease {e.get('lease_id')} fence {e.get('fence')} to worker {e.get('worker_id')}"
+    if kind == "step_completed":
+        parts = []
+        if e.get("usage"):
+            parts.append(_tokens(e["usage"]))
+        if e.get("spans"):
+            n = len(e["spans"])
+            parts.append(f"{n} span{'s' if n != 1 else ''}")
+        return ", ".join(parts)
+    if kind == "step_failed":
+        return f"{e.get('error_class')}: {e.get('message', '')}".rstrip(": ")
+    if kind == "state_patched":
+        return "keys " + ", ".join(str(k) for k in e.get("keys") or [])
+    if kind in ("signal_received", "signal_rejected"):
+        text = f"signal {e.get('name')!r}"
+        if e.get("buffered"):
+            text += " (kept until a wait consumes it)"
+        elif kind == "signal_received" and e.get("step_id"):
+            text += " completes the wait"
+        if e.get("budget"):
+            text += f" refused: would exceed {e['budget']}"
+        return text
+    if kind == "budget_exceeded":
+        return f"{e.get('budget')}: {e.get('value')} > limit {e.get('limit')}"
+    if kind == "timer_fired":
+        return str(e.get("timer"))
+    if kind == "child_started":
+        return f"child {e.get('child_run_id')} ({e.get('workflow')})"
+    if kind == "run_completed":
+        return "result " + short_json(e.get("result"), 80)
+    if kind in ("run_failed", "run_cancelled", "run_timed_out"):
+        err = e.get("error") or {}
+        if isinstance(err, Mapping):
+            where = f" at {err['step_id']}" if err.get("step_id") else ""
+            return f"{err.get('reason')}{where}: {err.get('message', '')}".rstrip(": ")
+        return short_json(err, 80)
+    rest = {k: v for k, v in e.items() if k not in _SHOWN}
+    return " ".join(f"{k}={short_json(v, 40)}" for k, v in rest.items())
+
+
+def _worker(e: Mapping[str, Any], names: Mapping[str, str], *, with_id: bool = True) -> str:
+    wid = e.get("worker_id")
+    if not wid:
+        return ""
+    name = e.get("worker_name") or names.get(str(wid))
+    if not name:
+        return str(wid)
+    return f"{name} ({wid})" if with_id else str(name)
+
+
+def journal_table(events: Sequence[Mapping[str, Any]], *, title: str | None = None) -> Table:
+    """The journal as a timeline: time since the run started, event, step, attempt, worker."""
+    names = _worker_names(events)
+    start = events[0].get("at") if events else None
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("seq", justify="right")
+    table.add_column("+ms", justify="right")
+    table.add_column("event", no_wrap=True)
+    table.add_column("step", no_wrap=True)
+    table.add_column("try", justify="right")
+    table.add_column("worker", no_wrap=True)
+    table.add_column("detail", overflow="fold", ratio=1)
+    for e in events:
+        at = e.get("at")
+        since = "" if at is None or start is None else f"{at - start}"
+        kind = str(e.get("type", ""))
+        table.add_row(str(e.get("seq", "")), since, Text(kind, style=_EVENT_STYLE.get(kind, "")),
+                      _step(e), str(e.get("attempt", "")), _worker(e, names, with_id=False),
+                      event_detail(e))
+    return table
+
+
+def journal_line(e: Mapping[str, Any], *, run: str = "", names: Mapping[str, str] | None = None,
+                 origin_ms: int | None = None) -> Text:
+    """One journal event as one line (the demo's live view).
+
+    Args:
+        e: the event.
+        run: a short label of its run, shown after the time.
+        names: worker names by worker id (``step_offered`` events carry them).
+        origin_ms: show times as seconds since this epoch-ms instant, else as UTC clock time.
+    """
+    kind = str(e.get("type", ""))
+    at = e.get("at")
+    text = Text()
+    if origin_ms is not None and at is not None:
+        text.append(f"{(at - origin_ms) / 1000:7.3f}s", style="dim")
+    else:
+        text.append(_ms(at), style="dim")
+    if run:
+        text.append(f"  {run:<3}", style="blue")
+    text.append(f"  {kind:<16}", style=_EVENT_STYLE.get(kind, ""))
+    step = _step(e)
+    if e.get("attempt") is not None and kind.startswith("step_"):
+        step += f" #{e['attempt']}"
+    text.append(f" {step:<20}")
+    worker = _worker(e, names or {})
+    detail = event_detail(e) if kind != "step_offered" else f"to {worker}"
+    if detail:
+        text.append(f" {detail}", style="red" if kind in ("step_failed", "run_failed") else "dim")
+    return text
+
+
+# --------------------------------------------------------------------------- lists
+
+
+def run_list_table(runs: Sequence[RunSummary]) -> Table:
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("run", no_wrap=True)
+    table.add_column("workflow", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.add_column("version", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.add_column("status", no_wrap=True)
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("updated (UTC)", no_wrap=True)
+    for r in runs:
+        table.add_row(r.run_id, r.workflow, r.definition_version or "—", _status_text(r.status),
+                      _when(r.created_at, short=True), _when(r.updated_at, short=True))
+    return table
+
+
+def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("worker", no_wrap=True)
+    table.add_column("name", overflow="fold")
+    table.add_column("build", overflow="fold")
+    table.add_column("concurrency", justify="right")
+    table.add_column("connected")
+    table.add_column("leases", justify="right")
+    table.add_column("last heartbeat", no_wrap=True)
+    for w in workers:
+        connected = bool(w.get("connected"))
+        table.add_row(str(w.get("worker_id")), str(w.get("name") or ""),
+                      str(w.get("build_id") or "—"), str(w.get("concurrency", "")),
+                      Text("yes" if connected else "no", style="green" if connected else "dim"),
+                      str(len(w.get("leases") or [])), str(w.get("last_heartbeat_at") or "—"))
+    return table
+
+
+def _actor_label(node: Mapping[str, Any]) -> Text:
+    state = str(node.get("state", ""))
+    label = Text()
+    label.append(str(node.get("path", "?")), style="bold")
+    label.append(f"  {node.get('kind', '')}", style="cyan")
+    label.append(f"  {state}", style="green" if state == "running" else "yellow")
+    restarts = int(node.get("restarts") or 0)
+    label.append(f"  restarts {restarts}", style="red" if restarts else "dim")
+    label.append(f"  mailbox {node.get('mailbox_depth', 0)}/{node.get('mailbox_size', '?')}",
+                 style="dim")
+    if node.get("timers"):
+        label.append(f"  timers {node['timers']}", style="dim")
+    return label
+
+
+def actor_tree(root: Mapping[str, Any], *, max_children: int | None = 50) -> Tree:
+    """The supervision tree; a supervisor with more than ``max_children`` shows the first ones."""
+
+    def add(tree: Tree, node: Mapping[str, Any]) -> None:
+        children = list(node.get("children") or [])
+        shown = children if max_children is None else children[:max_children]
+        for child in shown:
+            add(tree.add(_actor_label(child)), child)
+        if len(shown) < len(children):
+            tree.add(Text(f"… and {len(children) - len(shown)} more (--all shows them)",
+                          style="dim"))
+
+    tree = Tree(_actor_label(root))
+    add(tree, root)
+    return tree
+
+
+def count_actors(root: Mapping[str, Any]) -> tuple[int, int]:
+    """(actors, restarts) in the whole tree."""
+    actors, restarts = 1, int(root.get("restarts") or 0)
+    for child in root.get("children") or []:
+        a, r = count_actors(child)
+        actors += a
+        restarts += r
+    return actors, restarts
