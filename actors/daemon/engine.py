@@ -134,6 +134,9 @@ class Engine:
         self.live_leases: dict[str, LeaseRecord] = {}
         #: When each worker last called on a lease (epoch ms).
         self.worker_seen: dict[str, int] = {}
+        #: When each live lease last had a call: a killed lease actor's
+        #: successor keeps counting its expiry from there.
+        self.lease_touched: dict[str, int] = {}
         #: Runs by status, kept current by every transition (for /metrics).
         self.status_counts: dict[str, int] = {}
         self.closing = False

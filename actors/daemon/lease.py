@@ -64,10 +64,20 @@ class LeaseActor(Actor):
             if isinstance(raw, dict):
                 record = LeaseRecord.from_dict(raw)
         # A lease just offered expires a TTL after the offer (its actor may start
-        # a little later); one rebuilt after a restart gets a full TTL from now.
+        # a little later). One rebuilt after a daemon restart gets a full TTL from
+        # now (nothing in memory says when its worker last called). One whose
+        # actor was killed in this process keeps its expiry: counted from the
+        # last call the engine saw, so killing it again and again cannot keep a
+        # dead worker's lease alive forever.
+        if self._fresh:
+            since = record.offered_at
+        elif self._restarted:
+            since = e.lease_touched.get(record.lease_id, record.offered_at)
+        else:
+            since = self.clock.time_ms()
         self.machine = LeaseMachine(
             record, ttl_ms=e.config.lease_ttl_ms, window_ms=e.config.recovery_window_ms,
-            now=record.offered_at if self._fresh else self.clock.time_ms(),
+            now=since,
         )
         if not record.status.live:
             self.stop()
@@ -77,6 +87,7 @@ class LeaseActor(Actor):
 
     async def on_stop(self, reason: BaseException | None) -> None:
         self.engine.live_leases.pop(self._initial.lease_id, None)
+        self.engine.lease_touched.pop(self._initial.lease_id, None)
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, LeaseCall):
@@ -111,6 +122,7 @@ class LeaseActor(Actor):
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         now = self.clock.time_ms()
         self.engine.worker_seen[rec.worker_id] = now
+        self.engine.lease_touched[rec.lease_id] = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
         if revived:
             await self.engine.tell_run(rec.run_id, AttemptNote(

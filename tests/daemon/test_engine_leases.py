@@ -258,3 +258,19 @@ async def test_metrics_hooks_count_runs_and_sample_schedule_to_start(engine: Eng
     assert len(engine.schedule_to_start) == 1 and engine.schedule_to_start[0] >= 0
     seen = [w["last_heartbeat_at"] for w in engine.workers()]
     assert seen == [T0]
+
+
+async def test_killing_a_lease_actor_does_not_extend_its_lease(engine: Engine, clock: ManualClock) -> None:
+    wid = await worker(engine, one())
+    run_id, _ = await engine.start_run("one")
+    lease = await claim_one(engine, wid)
+    await engine.lease_call(lease["lease_id"], Op.STARTED, {})
+    for _ in range(4):  # killed every 10 s: a fresh TTL each time would never expire
+        await settle_time(clock, 10.0)
+        if "step_recovered" in journal_types(engine, run_id):
+            break
+        await engine.kill(f"/leases/{lease['lease_id']}")
+        # Let the supervisor's restart finish before time moves on.
+        await eventually(lambda: engine.lease_actor_alive(lease["lease_id"]))
+        await anyio.sleep(0.02)
+    await eventually(lambda: "step_recovered" in journal_types(engine, run_id))
