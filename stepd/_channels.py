@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import anyio
 import httpx
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from stepd import _wire
 from stepd._errors import NotFound, Unavailable, error_from_answer, translate

@@ -24,7 +24,7 @@ transports (HTTP, WebSocket, in-process) are thin adapters over them.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -168,12 +168,13 @@ class Engine:
             storage.read(catalog.load_txn)
             engine = cls(storage, catalog, config, clock)
             engine.status_counts = storage.read(store.count_runs_txn)
-            big = {"intensity": 10_000, "period": 10.0}
             root = Supervisor(
                 [
                     ChildSpec("registry", lambda: RegistryActor(engine._load_workers)),
-                    ChildSpec("runs", lambda: Supervisor(**big)),
-                    ChildSpec("leases", lambda: Supervisor(**big)),
+                    # Runs and leases come and go by the thousand, and killing them
+                    # is a feature: their supervisors tolerate many restarts.
+                    ChildSpec("runs", lambda: Supervisor(intensity=10_000, period=10.0)),
+                    ChildSpec("leases", lambda: Supervisor(intensity=10_000, period=10.0)),
                     ChildSpec("timers", lambda: TimerActor(engine)),
                     ChildSpec("recovery", lambda: RecoveryActor(engine)),
                 ],
@@ -581,7 +582,7 @@ class Engine:
             try:
                 ref = self.system.resolve(f"/leases/{lease_id}")
                 if ref.alive:
-                    return dict(await ref.ask(LeaseCall(op, body)))  # type: ignore[arg-type]
+                    return dict(await ref.ask(LeaseCall(op, body)))
             except (ActorNotFound, ActorDead):
                 pass
             # No live actor: judge from the durable record.
@@ -863,7 +864,7 @@ class PushSession:
         if not self.closed and self.waiter.credit > 0:
             self.engine._tell_registry(Claim(self.worker_id, self.waiter.credit, None, self.waiter))
 
-    async def leases(self) -> AsyncIterator[dict[str, Any]]:
+    async def leases(self) -> AsyncGenerator[dict[str, Any], None]:
         """Yield leases as they are offered to this worker, until `close()`."""
         async for spec in self._recv:
             lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),

@@ -218,7 +218,7 @@ class RegistryActor(Actor):
                 self.waiting.append(waiter)
             return taken
         taken = self._take(claim.worker_id, claim.max, claim.run_id)
-        if taken or waiter is None or waiter.cancelled:
+        if taken or not isinstance(waiter, Waiter) or waiter.cancelled:
             return taken
         self.waiting.append(waiter)
         return waiter

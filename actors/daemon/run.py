@@ -102,6 +102,7 @@ class RunActor(Actor):
         self.machine: RunMachine
         self.indexed_due: int | None = None
         self.indexed_active = False
+        self._created: list[str] = []  # runs the last write created (children, grandchildren)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -305,6 +306,9 @@ class RunActor(Actor):
                 w.children.extend(children)
                 for cw in walk_writes(children):
                     self.engine.status_moved(None, cw.record["status"])
+                    # Grandchildren too (a child whose first step starts its own):
+                    # every run created here needs an actor once this commits.
+                    self._created.append(cw.run_id)
             elif isinstance(effect, NotifyParent):
                 r = m.record
                 w.inbox.append((effect.parent_run_id, self.run_id, {
@@ -346,11 +350,12 @@ class RunActor(Actor):
                 for lease_id in effect.lease_ids:
                     e.end_lease(lease_id, effect.reason)
             elif isinstance(effect, StartChildren):
-                for child in effect.children:
-                    await e.wake_run(child.run_id, None)
+                created, self._created = self._created, []
+                for child_id in created:
+                    await e.wake_run(child_id, None)
             elif isinstance(effect, CancelChildren):
-                for child in effect.run_ids:
-                    await e.wake_run(child, InboxChanged())
+                for child_id in effect.run_ids:
+                    await e.wake_run(child_id, InboxChanged())
             elif isinstance(effect, NotifyParent):
                 await e.wake_run(effect.parent_run_id, InboxChanged())
             elif isinstance(effect, RunEnded):

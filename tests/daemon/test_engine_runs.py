@@ -161,3 +161,21 @@ async def test_unknown_runs_are_not_found(engine: Engine) -> None:
         engine.status("r_nope")
     with pytest.raises(NotFound):
         await engine.signal("r_nope", "x", 1)
+
+
+async def test_grandchildren_started_by_a_child_run_get_actors(engine: Engine) -> None:
+    leaf = {"name": "leaf", "steps": [{"id": "l", "kind": "task", "body": "l"}]}
+    mid = {"name": "mid", "steps": [
+        {"id": "kids", "kind": "start_workflows", "workflow": "leaf", "items": "${input}"}]}
+    top = {"name": "top", "steps": [
+        {"id": "t", "kind": "task", "body": "t"},
+        {"id": "kids", "kind": "start_workflows", "workflow": "mid", "items": [[1, 2], [3]]}]}
+    wid = await register(engine, leaf, mid, top)
+    run_id, _ = await engine.start_run("top")
+    await finish(engine, await claim_one(engine, wid), "go")  # mid and leaf runs start now
+    for _ in range(3):
+        lease = await claim_one(engine, wid)
+        assert lease["body"] == "l"
+        await finish(engine, lease, lease["input"] * 10)
+    view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
+    assert view["result"] == [[10, 20], [30]]
