@@ -7,6 +7,7 @@
 # installed tree as symlinks in a temporary directory and checks that.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+py="$(realpath "$(command -v "${PYTHON:-python}")")"
 tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 cp -r "$root/stepd" "$tree/stepd"
@@ -15,4 +16,4 @@ for sub in actors storage transport; do
   ln -s "$root/$sub" "$tree/stepd/$sub"
 done
 cd "$tree"
-"${PYTHON:-python}" -m mypy --strict -p stepd "$@"
+"$py" -m mypy --strict -p stepd "$@"
