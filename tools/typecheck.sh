@@ -7,7 +7,8 @@
 # installed tree as symlinks in a temporary directory and checks that.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-py="$(realpath "$(command -v "${PYTHON:-python}")")"
+py_cmd="$(command -v "${PYTHON:-python}")"
+py="$(cd "$(dirname "$py_cmd")" && pwd)/$(basename "$py_cmd")"  # absolute, venv kept
 tree="$(mktemp -d)"
 trap 'rm -rf "$tree"' EXIT
 cp -r "$root/stepd" "$tree/stepd"
