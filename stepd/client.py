@@ -242,7 +242,34 @@ class _AsyncEmbedded(_AsyncBackend):
 # --------------------------------------------------------------------------- handles
 
 
-class RunHandle:
+class _Handle:
+    """What both run handles share: a run id that compares and prints as itself."""
+
+    __slots__ = ("_client", "created", "run_id")
+
+    def __init__(self, client: Any, run_id: str, created: bool) -> None:
+        self._client = client
+        self.run_id = run_id
+        self.created = created
+
+    def __str__(self) -> str:
+        return self.run_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.run_id!r}, created={self.created})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Handle):
+            return self.run_id == other.run_id
+        if isinstance(other, str):
+            return self.run_id == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.run_id)
+
+
+class RunHandle(_Handle):
     """A run, as `Client.start` returns it: its id and the client's calls bound to it.
 
     ``str(handle)`` is the run id; a handle equals its run id (``handle == "r_..."``).
@@ -253,28 +280,11 @@ class RunHandle:
             (this is the original run); True otherwise (also for `Client.handle`).
     """
 
-    __slots__ = ("_client", "created", "run_id")
+    __slots__ = ()
+    _client: Client
 
     def __init__(self, client: Client, run_id: str, created: bool = True) -> None:
-        self._client = client
-        self.run_id = run_id
-        self.created = created
-
-    def __str__(self) -> str:
-        return self.run_id
-
-    def __repr__(self) -> str:
-        return f"RunHandle({self.run_id!r}, created={self.created})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (RunHandle, AsyncRunHandle)):
-            return self.run_id == other.run_id
-        if isinstance(other, str):
-            return self.run_id == other
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.run_id)
+        super().__init__(client, run_id, created)
 
     def status(self) -> RunStatus:
         """`Client.status` of this run."""
@@ -301,31 +311,14 @@ class RunHandle:
         return self._client.export(self.run_id)
 
 
-class AsyncRunHandle:
+class AsyncRunHandle(_Handle):
     """`RunHandle` for `AsyncClient`: the same, with coroutine methods."""
 
-    __slots__ = ("_client", "created", "run_id")
+    __slots__ = ()
+    _client: AsyncClient
 
     def __init__(self, client: AsyncClient, run_id: str, created: bool = True) -> None:
-        self._client = client
-        self.run_id = run_id
-        self.created = created
-
-    def __str__(self) -> str:
-        return self.run_id
-
-    def __repr__(self) -> str:
-        return f"AsyncRunHandle({self.run_id!r}, created={self.created})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (RunHandle, AsyncRunHandle)):
-            return self.run_id == other.run_id
-        if isinstance(other, str):
-            return self.run_id == other
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.run_id)
+        super().__init__(client, run_id, created)
 
     async def status(self) -> RunStatus:
         return await self._client.status(self.run_id)

@@ -424,17 +424,16 @@ class RunMachine:
         return tr
 
     def _on_orphaned(self, ev: AttemptOrphaned, now: int) -> Transition:
-        _, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
-        tr = Transition()
-        self._journal(tr, now, "step_orphaned", step_id=ev.step_id, item_index=ev.item_index,
-                      attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
-                      worker_id=slot.worker_id)
-        return tr
+        return self._journal_only("step_orphaned", ev, now)
 
     def _on_revived(self, ev: AttemptRevived, now: int) -> Transition:
+        return self._journal_only("step_revived", ev, now)
+
+    def _journal_only(self, type_: str, ev: AttemptOrphaned | AttemptRevived, now: int) -> Transition:
+        """Lease timing news: journaled against the live attempt, nothing else changes."""
         _, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
         tr = Transition()
-        self._journal(tr, now, "step_revived", step_id=ev.step_id, item_index=ev.item_index,
+        self._journal(tr, now, type_, step_id=ev.step_id, item_index=ev.item_index,
                       attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
                       worker_id=slot.worker_id)
         return tr
