@@ -35,6 +35,10 @@ class TimerIndexChanged:
 #: the actor (and its mailbox) for long; the next turn follows at once.
 BATCH = 256
 
+#: After a sweep, runs it woke may not have moved their index entries yet;
+#: look again this much later (ms) rather than spin on them.
+SETTLE_MS = 50
+
 
 class TimerActor(Actor):
     kind = "timers"
@@ -42,10 +46,10 @@ class TimerActor(Actor):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.armed_for: int | None = None
-        self.woken: dict[str, int] = {}  # run id -> the due time we woke it for
+        self.cursor: bytes | None = None  # where the current sweep goes on
 
     async def on_start(self) -> None:
-        self._rearm()
+        self._rearm(settle=False)
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, TimerIndexChanged):
@@ -53,39 +57,46 @@ class TimerActor(Actor):
                 self._arm_at(message.due_ms)
             return None
         if isinstance(message, Due):
-            await self._fire()
+            await self._sweep()
             return None
         raise TypeError(f"timers: unexpected message {message!r}")
 
-    def _scan(self, limit: int) -> list[tuple[int, str]]:
-        rows = self.engine.storage.scan(store.TIMERS, limit=limit)
-        out = []
+    async def _sweep(self) -> None:
+        """Wake every run whose deadline has come, in due order, a batch per turn.
+
+        The cursor keeps a sweep of 100,000 due runs linear: each turn reads
+        on from where the last stopped. Waking a run twice is harmless (an
+        active run's actor is simply there), so nothing needs remembering
+        beyond the cursor.
+        """
+        now = self.engine.clock.time_ms()
+        rows = self.engine.storage.scan(store.TIMERS, start=self.cursor, limit=BATCH)
         for key, _ in rows:
             due, run_id, _tag = parse_timer_key(key)
-            out.append((due, run_id))
-        return out
-
-    async def _fire(self) -> None:
-        now = self.engine.clock.time_ms()
-        due_rows = [(d, r) for d, r in self._scan(BATCH + len(self.woken)) if d <= now]
-        seen = set()
-        for due, run_id in due_rows:
-            seen.add(run_id)
-            if self.woken.get(run_id) == due:
-                continue  # woken already; its own actor handles the deadline
-            self.woken[run_id] = due
-            await self.engine.wake_run(run_id, None)
-        for run_id in [r for r in self.woken if r not in seen]:
-            del self.woken[run_id]
-        self._rearm()
-
-    def _rearm(self) -> None:
-        for due, run_id in self._scan(BATCH + len(self.woken) + 1):
-            if self.woken.get(run_id) != due:
+            if due > now:
+                self.cursor = None
                 self._arm_at(due)
                 return
-        self.armed_for = None
-        self.cancel_timer("due")
+            self.cursor = key + b"\x00"
+            await self.engine.wake_run(run_id, None)
+        if len(rows) == BATCH:
+            self.armed_for = None
+            self.ref.tell_nowait(Due())  # more to sweep: next turn
+            return
+        self.cursor = None
+        self._rearm(settle=True)
+
+    def _rearm(self, *, settle: bool) -> None:
+        rows = self.engine.storage.scan(store.TIMERS, limit=1)
+        if not rows:
+            self.armed_for = None
+            self.cancel_timer("due")
+            return
+        due, _run_id, _tag = parse_timer_key(rows[0][0])
+        now = self.engine.clock.time_ms()
+        if settle and due <= now:
+            due = now + SETTLE_MS  # woken runs are still moving their entries
+        self._arm_at(due)
 
     def _arm_at(self, due_ms: int) -> None:
         clock = self.clock

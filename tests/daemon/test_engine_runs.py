@@ -179,3 +179,19 @@ async def test_grandchildren_started_by_a_child_run_get_actors(engine: Engine) -
         await finish(engine, lease, lease["input"] * 10)
     view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
     assert view["result"] == [[10, 20], [30]]
+
+
+async def test_a_thousand_passivated_sleepers_all_wake(engine: Engine, clock: ManualClock) -> None:
+    nap = {"name": "nap", "steps": [{"id": "z", "kind": "sleep", "duration_ms": 60_000}]}
+    await register(engine, nap)
+    ids = [(await engine.start_run("nap"))[0] for _ in range(1000)]
+    await eventually(lambda: engine.status_counts.get("sleeping") == 1000)
+    await eventually(lambda: not any(run_actor_alive(engine, r) for r in ids[:50]))
+    clock.advance(60)
+    with anyio.fail_after(30):
+        while engine.status_counts.get("completed", 0) < 1000:
+            clock.advance(0.05)  # lets the timer actor's settle re-checks come round
+            await anyio.sleep(0.01)
+    # (the counters move as transitions are made; the records once committed)
+    await eventually(lambda: all(engine.status(r)["status"] == "completed" for r in ids))
+    assert engine.storage.scan("timers") == []
