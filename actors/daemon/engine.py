@@ -789,6 +789,13 @@ class Engine:
                 raise NotFound(f"run {run_id!r} not found") from exc
             raise
 
+    def active_runs(self) -> int:
+        """How many run actors are alive (passivated runs have none)."""
+        try:
+            return self.system.supervisor("/runs").count_children()
+        except (ActorNotFound, ActorDead):
+            return 0
+
     def supervisors_alive(self) -> bool:
         try:
             return bool(self.system.resolve("/runs").alive and self.system.resolve("/leases").alive)
