@@ -38,6 +38,7 @@ import httpx
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from stepd import _wire
+from stepd._http1 import Http1Client, Http1Error, Http1Response
 from stepd._errors import NotFound, Unavailable, error_from_answer, translate
 
 if TYPE_CHECKING:
@@ -338,7 +339,7 @@ class HttpChannel(Channel):
 
     kind = "http"
 
-    def __init__(self, http: httpx.AsyncClient, timeout: float) -> None:
+    def __init__(self, http: httpx.AsyncClient | Http1Client, timeout: float) -> None:
         self.http = http
         self.timeout = timeout
         self._claim_scope: anyio.CancelScope | None = None
@@ -350,13 +351,18 @@ class HttpChannel(Channel):
                                  separators=(",", ":")).encode()
         except (TypeError, ValueError) as exc:
             raise Unencodable(str(exc)) from None
+        response: httpx.Response | Http1Response
         try:
-            response = await self.http.request(
-                call.method, call.path, content=content,
-                headers={"content-type": "application/json"},
-                timeout=self.timeout + call.hold_s,
-            )
-        except httpx.TransportError as exc:
+            if isinstance(self.http, Http1Client):
+                response = await self.http.request(call.method, call.path, content=content,
+                                                   timeout=self.timeout + call.hold_s)
+            else:
+                response = await self.http.request(
+                    call.method, call.path, content=content,
+                    headers={"content-type": "application/json"},
+                    timeout=self.timeout + call.hold_s,
+                )
+        except (httpx.TransportError, Http1Error) as exc:
             raise Lost(f"HTTP {call.op}: {exc!r}") from None
         try:
             body = response.json() if response.content else {}

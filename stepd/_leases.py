@@ -52,6 +52,8 @@ from stepd.context import StepContext, _current_ctx
 if TYPE_CHECKING:
     import httpx
 
+    from stepd._http1 import Http1Client
+
     from stepd.embedded import Embedded
 
 log = logging.getLogger("stepd.worker")
@@ -65,9 +67,14 @@ MAX_MESSAGE_CHARS: Final = 4000
 LOST_REASONS: Final = frozenset({"fenced", "run_terminal", "lost"})
 
 
+_JITTER = random.Random()
+"""Our own generator: backoff jitter never touches the `random` module's global state
+(which the application, or hypothesis in a test, may own)."""
+
+
 def backoff(attempt: int) -> float:
     """Bounded exponential backoff with jitter (half to full)."""
-    return random.uniform(0.5, 1.0) * min(RECONNECT_CAP_S,
+    return _JITTER.uniform(0.5, 1.0) * min(RECONNECT_CAP_S,
                                           RECONNECT_BASE_S * float(2 ** min(attempt, 16)))
 
 
@@ -81,7 +88,7 @@ class LeaseProtocol:
     name: str
     timeout: float
     _daemon: Embedded | None
-    _http: httpx.AsyncClient | None
+    _http: httpx.AsyncClient | Http1Client | None
     _tg: anyio.abc.TaskGroup | None
     _channel: Channel | None
     _channel_ready: anyio.Event

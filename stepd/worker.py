@@ -87,6 +87,7 @@ from stepd._channels import (
     websocket_connect,
 )
 from stepd._errors import Invalid, NotFound, StepdError, Unavailable
+from stepd._http1 import Http1Client, wants_httpx
 from stepd._leases import LeaseProtocol, backoff
 from stepd.workflow import Workflow
 
@@ -208,7 +209,7 @@ class Worker(LeaseProtocol):
         self._grace_deadline: float | None = None
         self._terminal_runs: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._fatal: list[BaseException] = []
-        self._http: httpx.AsyncClient | None = None
+        self._http: httpx.AsyncClient | Http1Client | None = None
         self._threads: anyio.CapacityLimiter | None = None
         self._heartbeat_s = 10.0
         self._lease_ttl_s = 30.0
@@ -431,9 +432,13 @@ class Worker(LeaseProtocol):
         if daemon is None:
             from stepd.client import _headers
 
-            self._http = httpx.AsyncClient(base_url=self.url or "", headers=_headers(self.key),
-                                           timeout=self.timeout, trust_env=self._trust_env,
-                                           http1=True, http2=False)
+            url = self.url or ""
+            if wants_httpx(url, self._trust_env):
+                self._http = httpx.AsyncClient(base_url=url, headers=_headers(self.key),
+                                               timeout=self.timeout, trust_env=self._trust_env,
+                                               http1=True, http2=False)
+            else:  # plain http: the lean client (stepd._http1), a quarter of httpx's CPU
+                self._http = Http1Client(url, _headers(self.key))
         else:
             daemon._attach(self)
         with self._lock:
