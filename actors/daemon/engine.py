@@ -57,7 +57,7 @@ from stepd.engine.lease import LeaseRecord, Op
 from stepd.engine.pricing import PriceBook, step_usage
 from stepd.engine.record import RunRecord
 from stepd.engine.run import RunMachine
-from stepd.storage import Storage
+from stepd.storage import Storage, WriteTxn
 
 from . import ids, store
 from .catalog import Catalog, Registered, register_txn
@@ -305,8 +305,14 @@ class Engine:
         correlation: Any = None,
         idempotency_key: str | None = None,
         deadline_ms: int | None = None,
+        in_txn: Callable[[WriteTxn, str, bool], None] | None = None,
     ) -> tuple[str, bool]:
         """Start a run, or return the run an idempotency key already started.
+
+        `in_txn(txn, run_id, created)`, when given, is written in the start's own
+        transaction (the transport's audit entry: it exists if and only if the
+        start does). It is not called when the key's run is found without a
+        write (the caller writes its entry itself then) or on a refusal.
 
         Returns:
             (run id, created): created is False when `idempotency_key` was used before.
@@ -347,6 +353,7 @@ class Engine:
             dispatch_key=idempotency_key,
             children=[cw for e in tr.effects if isinstance(e, StartChildren)
                       for cw in self.child_writes(e, now)],
+            also=in_txn,
         )
         existing = await self.storage.write(store.apply_txn, w)
         if existing is not None:

@@ -24,6 +24,7 @@ Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,9 @@ class RunWrite:
     children: list[RunWrite] = field(default_factory=list)
     inbox: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (target, source, msg)
     inbox_done: list[bytes] = field(default_factory=list)
+    # with create: called in the same transaction with (txn, run id, created), the
+    # run id being the existing one when `dispatch_key` was taken (the start's audit entry)
+    also: Callable[[WriteTxn, str, bool], None] | None = None
 
 
 def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
@@ -103,6 +107,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         if w.dispatch_key is not None:
             taken = txn.get(DISPATCH_KEYS, w.dispatch_key)
             if isinstance(taken, dict):
+                if w.also is not None:
+                    w.also(txn, str(taken["run_id"]), False)
                 return str(taken["run_id"])
             txn.put(DISPATCH_KEYS, w.dispatch_key, {"run_id": w.run_id, "at": w.record["created_at"]})
         if not txn.put(RUNS, w.run_id, w.record, overwrite=False):
@@ -137,6 +143,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         txn.delete(INBOX, key)
     for child in w.children:
         apply_txn(txn, child)
+    if w.create and w.also is not None:
+        w.also(txn, w.run_id, True)
     return None
 
 

@@ -184,3 +184,40 @@ async def test_the_protocol_runs_on_either_backend(tmp_path: Path) -> None:
         assert await protocol.drain(1.0) is True
         with pytest.raises(Unavailable):
             await client.get_run(run_id)
+
+
+def test_a_start_and_its_audit_entry_commit_together(inproc: InProcDaemon) -> None:
+    """One synced commit per start: its audit entry is written in the start's transaction.
+
+    A re-found idempotency key is still audited (status 200, the original run);
+    a refused start (unknown workflow) is audited with its status.
+    """
+    name = unique()
+    _in(inproc, lambda c: c.register({"definitions": [task_def(name, "a")]}))
+    storage = inproc.daemon.engine.storage
+    key = f"{name}:once"
+
+    async def start_counting() -> tuple[dict[str, Any], int]:
+        before = storage.statistics().commits
+        answer = await InProcess(inproc.daemon.protocol).start_run(
+            {"workflow": name, "input": None, "idempotency_key": key})
+        return answer, storage.statistics().commits - before
+
+    first, commits = inproc.run(start_counting)
+    assert first["created"] is True and commits == 1
+    again = _in(inproc, lambda c: c.start_run(
+        {"workflow": name, "input": None, "idempotency_key": key}))
+    assert again == {"run_id": first["run_id"], "created": False}
+    refused = _raises(inproc, lambda c: c.start_run({"workflow": f"{name}-nope", "input": None}))
+    assert type(refused).__name__ == "Unprocessable"
+
+    def entries() -> list[dict[str, Any]]:
+        page = _in(inproc, lambda c: c.audit(limit=1000))["entries"]
+        return [e for e in page if e["action"] == "runs.start"]
+
+    deadline = time.monotonic() + 5  # the refusal's entry is written behind (deferred)
+    while not any(e["status"] == 422 for e in entries()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    mine = [(e["status"], e["target"]) for e in entries() if e["target"] == first["run_id"]]
+    assert sorted(mine) == [(200, first["run_id"]), (201, first["run_id"])]
+    assert any(e["status"] == 422 for e in entries())
