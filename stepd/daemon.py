@@ -141,7 +141,7 @@ class _Server(uvicorn.Server):
 
     _exit_asked: anyio.Event | None = None
 
-    @property  # type: ignore[override]
+    @property
     def should_exit(self) -> bool:
         return self._exit_flag
 
