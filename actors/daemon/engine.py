@@ -769,12 +769,9 @@ class Engine:
     ) -> Any:
         """Start the run's actor if it is not running; return its ref."""
         path = f"/runs/{run_id}"
-        try:
-            ref = self.system.resolve(path)
-            if ref.alive:
-                return ref
-        except ActorNotFound:
-            pass
+        ref = self.system.find(path)
+        if ref is not None and ref.alive:
+            return ref
         holder = [initial]
         first = [True]
 

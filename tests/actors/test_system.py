@@ -123,6 +123,7 @@ async def test_resolve_stop_and_kill_name_what_is_missing() -> None:
             await system.stop("/")
         assert system.root.path == "/"
         assert system.resolve("/") == system.root
+        assert system.find("/nobody") is None and system.find("/") == system.root
 
 
 async def test_stop_removes_a_nested_actor_for_good() -> None:
