@@ -1,10 +1,12 @@
-"""A lean HTTP/1.1 keep-alive client for loading a daemon with runs (E).
+"""A bare HTTP/1.1 keep-alive client for loading a daemon with runs (E).
 
-Not the SDK: `stepd.AsyncClient` (httpx) costs the bench process about 1.4 ms
-of CPU per request at 100 in flight, so a Python client cannot start runs
-much faster than ~700/s on this machine. E only needs 100,000 runs to exist;
-this client costs a fraction of that, so the daemon's own start path sets the
-pace. Requests are JSON, answers parsed as JSON; a status >= 300 raises.
+Not the SDK: E only needs 100,000 runs to exist, as fast as the daemon takes
+them, so it skips everything the SDK does per call (typed answers, retries).
+It was written when `stepd.AsyncClient` went through httpx (~1.4 ms of CPU
+per request at 100 in flight, ~700 starts/s at most); the SDK now has a lean
+client of its own (`stepd/_http1.py`), and this one stays because it is
+smaller still. Requests are JSON, answers parsed as JSON; a status >= 300
+raises.
 """
 
 from __future__ import annotations
