@@ -37,6 +37,7 @@ from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 from ._stats import ActorStatistics, ActorTree
 from ._supervisor import Supervisor, SupervisorRef
 from ._system import ActorSystem
+from ._waiter import Waiter
 
 __all__ = [
     "DEFAULT_WORKER_SHUTDOWN",
@@ -61,6 +62,7 @@ __all__ = [
     "SupervisorEscalation",
     "SupervisorRef",
     "SystemClock",
+    "Waiter",
     "WouldBlock",
     "add_restart",
     "check_message",

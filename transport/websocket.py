@@ -58,6 +58,7 @@ from typing import Any, Final, TypeGuard
 
 import anyio
 import msgpack  # type: ignore[import-untyped]
+from stepd.actors import Waiter
 
 from stepd.engine.errors import Invalid, StepdError, Unavailable
 
@@ -248,6 +249,7 @@ class WorkerConnection:
         self._send = send
         self._out, self._out_recv = anyio.create_memory_object_stream[Any](sockets.max_queue)
         self._limit = anyio.Semaphore(sockets.max_in_flight)
+        self._lease_tail: dict[str, Waiter] = {}  # the last frame in flight, per lease
         self._session: Any = None
         self._read_scope = anyio.CancelScope()
         self._scope = anyio.CancelScope()
@@ -367,7 +369,14 @@ class WorkerConnection:
             return
         await self._limit.acquire()
         assert self._handlers is not None
-        self._handlers.start_soon(self._lease_call, frame_id, _LEASE_OPS[op], frame)
+        # Frames of one lease are applied in the order they arrived, so a worker
+        # may send `complete` right behind `started` without waiting for its answer.
+        lease_id = frame.get("lease_id")
+        before = self._lease_tail.get(lease_id) if isinstance(lease_id, str) else None
+        done = Waiter()
+        if isinstance(lease_id, str):
+            self._lease_tail[lease_id] = done
+        self._handlers.start_soon(self._lease_call, frame_id, _LEASE_OPS[op], frame, before, done)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -398,8 +407,11 @@ class WorkerConnection:
         if _is_id(frame_id):
             await self._push({"op": "ok", "id": frame_id})
 
-    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any]) -> None:
+    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any],
+                          before: Waiter | None, done: Waiter) -> None:
         try:
+            if before is not None:
+                await before.wait()  # the lease's previous frame is applied first
             with self.protocol.tracking():
                 lease_id = frame.get("lease_id")
                 if not isinstance(lease_id, str):
@@ -411,6 +423,10 @@ class WorkerConnection:
                                                        body=body)
                 await self._push(answer_frame(frame_id, reply))
         finally:
+            done.set()
+            lease_id = frame.get("lease_id")
+            if self._lease_tail.get(lease_id) is done:  # type: ignore[arg-type]
+                del self._lease_tail[lease_id]  # type: ignore[arg-type]
             self._limit.release()
 
     # -- the push session ---------------------------------------------------------------

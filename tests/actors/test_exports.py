@@ -55,6 +55,7 @@ EXPECTED_EXPORTS = {
     "SupervisorEscalation",
     "SupervisorRef",
     "SystemClock",
+    "Waiter",
     "WouldBlock",
     "add_restart",
     "check_message",

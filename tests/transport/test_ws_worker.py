@@ -10,6 +10,7 @@ message.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -60,6 +61,40 @@ def test_register_credit_push_and_answer(daemon: DaemonProcess, subprotocol: str
         journal = http.get(f"/v1/api/runs/{run_id}/journal").json()["events"]
         offered = [e for e in journal if e["type"] == "step_offered"]
         assert {e["worker_id"] for e in offered} == {reg["worker_id"]}
+
+
+@pytest.mark.parametrize("delivery", ["at_least_once", "at_most_once"])
+def test_frames_of_one_lease_are_applied_in_the_order_they_arrive(
+        daemon: DaemonProcess, delivery: str) -> None:
+    """`started`, `heartbeat` and `complete` sent back to back, unanswered: no not_started.
+
+    at_most_once makes the daemon persist `started` (a synced commit) before
+    it answers, so a `complete` handled beside it would find it not started.
+    The answers come back in order too.
+    """
+    name = unique()
+    with ws_connect(daemon) as conn, daemon.client() as http:
+        w = WsWorker(conn)
+        w.request("register", definitions=[task_def(name, "a", "b", delivery=delivery)])
+        w.send({"op": "credit", "n": 2})
+        run_id = start_run(http, name)
+        for step, output in (("a", 1), ("b", "done")):
+            lease = w.wait_for("lease")["lease"]
+            assert lease["step_id"] == step
+            ids = [w.next_id + 1, w.next_id + 2, w.next_id + 3]
+            w.next_id += 3
+            w.send({"op": "started", "id": ids[0], "lease_id": lease["lease_id"]})
+            w.send({"op": "heartbeat", "id": ids[1], "lease_id": lease["lease_id"]})
+            w.send({"op": "complete", "id": ids[2], "lease_id": lease["lease_id"],
+                    "output": output})
+            answers: list[dict[str, Any]] = []
+            others: list[dict[str, Any]] = []
+            while len(answers) < 3:  # bounded by recv's timeout
+                frame = w.recv()
+                (answers if frame.get("id") in ids else others).append(frame)
+            w.pending.extend(others)  # the next lease, if it came first
+            assert [(f["op"], f["id"]) for f in answers] == [("ok", i) for i in ids], answers
+        assert wait_result(http, run_id)["result"] == "done"
 
 
 def test_conflict_and_error_frames(daemon: DaemonProcess) -> None:
