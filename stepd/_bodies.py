@@ -74,7 +74,8 @@ class Definition:
 class Active:
     """A lease whose body this worker is running."""
 
-    __slots__ = ("ctx", "hard_scope", "lease", "poke", "poke_pending", "reported")
+    __slots__ = ("ctx", "hard_scope", "lease", "poke", "poke_pending", "reported",
+                 "started_done", "started_on")
 
     def __init__(self, lease: dict[str, Any], ctx: StepContext) -> None:
         self.lease = lease
@@ -83,6 +84,8 @@ class Active:
         self.poke_pending = False
         self.hard_scope = anyio.CancelScope()  # abandons a sync body's thread
         self.reported = False
+        self.started_done: anyio.Event | None = None  # `started` answered (or given up)
+        self.started_on: Any = None  # the channel `started` last went out on
 
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:

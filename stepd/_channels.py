@@ -88,11 +88,17 @@ class Channel:
     """One registered connection to the daemon."""
 
     kind: ClassVar[str]
+    ordered: ClassVar[bool] = False
+    """The daemon applies this channel's calls of one lease in the order they were sent
+    (one WebSocket: frames arrive in order, and the daemon applies a lease's frames in
+    arrival order). Then `complete` may be sent right behind `started`, unanswered."""
 
     async def register(self, body: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, op: str, lease_id: str, body: dict[str, Any], *,
+                   on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One lease call; ``on_sent()`` once the request is on the wire (ordered channels)."""
         raise NotImplementedError
 
     async def pump(self, host: Host, max_request_ms: int) -> None:
@@ -103,12 +109,19 @@ class Channel:
 
 
 async def _credit_loop(host: Host, grant: Callable[[int], Any], outstanding: list[int]) -> None:
-    """Grant credit as slots free: ``credit = concurrency - running - outstanding``."""
+    """Grant credit as slots free: ``credit = concurrency - running - outstanding``.
+
+    Granted in batches: once a quarter of the slots are free and unoffered, or at
+    once when the daemon holds no credit at all (so a lease is never left
+    waiting while a slot is free). A credit frame per finished lease cost a frame
+    each way per step, on the step's critical path.
+    """
+    batch = max(1, host.concurrency // 4)
     while True:
         changed = host.slots_event()
         if not host.stopping:
             n = host.concurrency - host.running - outstanding[0]
-            if n > 0:
+            if n > 0 and (n >= batch or outstanding[0] == 0):
                 outstanding[0] += n
                 await grant(n)
         await changed.wait()
@@ -179,6 +192,7 @@ class WebSocketChannel(Channel):
     """The worker WebSocket (msgpack frames)."""
 
     kind = "websocket"
+    ordered = True
 
     def __init__(self, ws: Any) -> None:
         self.ws = ws
@@ -202,7 +216,8 @@ class WebSocketChannel(Channel):
         except ConnectionClosed as exc:
             raise Lost(f"the WebSocket closed: {exc}") from None
 
-    async def _request(self, frame: dict[str, Any]) -> dict[str, Any]:
+    async def _request(self, frame: dict[str, Any],
+                       on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
         if self._closed:
             raise Lost("the WebSocket is closed")
         self._next_id += 1
@@ -210,6 +225,8 @@ class WebSocketChannel(Channel):
         pending = self._pending[frame_id] = _Pending()
         try:
             await self._send(frame)
+            if on_sent is not None:
+                on_sent()
             await pending.event.wait()
         finally:
             self._pending.pop(frame_id, None)
@@ -233,8 +250,9 @@ class WebSocketChannel(Channel):
         except ConnectionClosed as exc:
             raise Lost(f"the WebSocket closed during register: {exc}") from None
 
-    async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._request({"op": op, "lease_id": lease_id, **body})
+    async def call(self, op: str, lease_id: str, body: dict[str, Any], *,
+                   on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        return await self._request({"op": op, "lease_id": lease_id, **body}, on_sent)
 
     async def pump(self, host: Host, max_request_ms: int) -> None:
         from websockets.exceptions import ConnectionClosed
@@ -375,7 +393,8 @@ class HttpChannel(Channel):
     async def register(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.send(_wire.register(body))
 
-    async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, op: str, lease_id: str, body: dict[str, Any], *,
+                   on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
         return await self.send(_wire.lease_call(op, lease_id, body))
 
     async def pump(self, host: Host, max_request_ms: int) -> None:
@@ -437,7 +456,8 @@ class InProcessChannel(Channel):
     async def register(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._invoke("register", body)
 
-    async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, op: str, lease_id: str, body: dict[str, Any], *,
+                   on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
         return await self._invoke(op, lease_id, body)
 
     async def pump(self, host: Host, max_request_ms: int) -> None:

@@ -20,11 +20,13 @@ is safe to repeat); heartbeats are not (the next one follows soon).
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -114,8 +116,17 @@ class LeaseProtocol:
     # ------------------------------------------------------------------ calls
 
     async def _call(self, op: str, lease_id: str, body: dict[str, Any], *,
-                    give_up_s: float | None = None) -> dict[str, Any]:
+                    give_up_s: float | None = None,
+                    on_sent: Callable[[Channel], None] | None = None,
+                    after: Active | None = None) -> dict[str, Any]:
         """A lease call, sent again on the next connection if this one is lost.
+
+        Args:
+            on_sent: called with the channel once the request is on an ordered
+                channel's wire (`Channel.ordered`).
+            after: the lease whose `started` this call must not overtake: it is
+                sent once `started` is answered, or at once when `started` went
+                out on the same ordered channel (the daemon applies them in order).
 
         Raises:
             the typed answer (a conflict, NotFound, Invalid...), Unencodable, or
@@ -125,9 +136,16 @@ class LeaseProtocol:
         attempt = 0
         while True:
             channel = self._channel
+            if after is not None and after.started_done is not None \
+                    and not after.started_done.is_set() \
+                    and not (channel is not None and channel.ordered
+                             and after.started_on is channel):
+                await after.started_done.wait()
+                continue  # the connection may have changed meanwhile
             if channel is not None:
                 try:
-                    return await channel.call(op, lease_id, body)
+                    sent = None if on_sent is None else functools.partial(on_sent, channel)
+                    return await channel.call(op, lease_id, body, on_sent=sent)
                 except (Lost, Unavailable) as exc:
                     failure: BaseException = exc
             else:
@@ -259,27 +277,38 @@ class LeaseProtocol:
 
     async def _execute(self, active: Active, body: Body) -> None:
         ctx = active.ctx
-        started = anyio.Event()
+        started = active.started_done = anyio.Event()
+        sent = anyio.Event()
         outcome: tuple[Any, ...] = ("cancelled",)
         async with anyio.create_task_group() as tg:
             if ctx.delivery == "at_most_once":
                 # The daemon persists `started` before answering: only then may the body run.
-                await self._started(active, started)
+                await self._started(active, started, sent)
             else:
-                # The body starts at once; `complete` waits for `started`'s answer below.
-                tg.start_soon(self._started, active, started)
+                # The body starts at once; `started` goes out beside it.
+                tg.start_soon(self._started, active, started, sent)
             if not (ctx.cancelled or active.reported):
-                tg.start_soon(self._heartbeats, active)
-                outcome = await self._invoke(active, body)
-            await started.wait()  # `complete` never overtakes `started`
-            tg.cancel_scope.cancel()
-        await self._report(active, outcome)
+                beats = anyio.CancelScope()  # entered by the heartbeat task
+                tg.start_soon(self._heartbeats, active, beats)
+                try:
+                    outcome = await self._invoke(active, body)
+                finally:
+                    beats.cancel()
+            # `complete` never overtakes `started`: it waits for started's answer, or
+            # (one WebSocket) follows it on the wire (`_call`'s `after`).
+            await sent.wait()
+            await self._report(active, outcome)
 
-    async def _started(self, active: Active, done: anyio.Event) -> None:
+    async def _started(self, active: Active, done: anyio.Event, sent: anyio.Event) -> None:
         ctx = active.ctx
+
+        def on_sent(channel: Channel) -> None:
+            active.started_on = channel
+            sent.set()
+
         try:
             await self._call("started", ctx.lease_id, {},
-                             give_up_s=max(30.0, 2 * self._lease_ttl_s))
+                             give_up_s=max(30.0, 2 * self._lease_ttl_s), on_sent=on_sent)
         except AlreadyApplied:
             active.reported = True
             self._cancel_active(active, "lost")
@@ -294,6 +323,7 @@ class LeaseProtocol:
             self._cancel_active(active, "lost")
         finally:
             done.set()
+            sent.set()
 
     def _poke(self, active: Active) -> None:
         """``ctx.heartbeat()``: wake the lease's heartbeat loop (from any thread)."""
@@ -311,7 +341,11 @@ class LeaseProtocol:
         except RuntimeError:
             pass  # the worker's loop has ended
 
-    async def _heartbeats(self, active: Active) -> None:
+    async def _heartbeats(self, active: Active, scope: anyio.CancelScope) -> None:
+        with scope:  # cancelled by `_execute` once the body is over
+            await self._beat(active)
+
+    async def _beat(self, active: Active) -> None:
         ctx = active.ctx
         interval = self._heartbeat_s
         gap = min(1.0, interval / 4)
@@ -406,7 +440,7 @@ class LeaseProtocol:
         give_up = max(30.0, 2 * self._lease_ttl_s)
         try:
             try:
-                await self._call(op, lease_id, body, give_up_s=give_up)
+                await self._call(op, lease_id, body, give_up_s=give_up, after=active)
             except (Invalid, Unencodable) as exc:
                 # The daemon refused what the body produced (output not JSON, a
                 # state patch that is not an object, an unknown error class...):

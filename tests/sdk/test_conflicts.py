@@ -145,8 +145,9 @@ def test_an_expired_lease_is_recovered_and_its_late_result_dropped(
     wf = stepd.Workflow(name).then(slow)
     worker = stack.worker(wf)
 
-    async def no_heartbeats(active: Any) -> None:
-        await anyio.sleep_forever()
+    async def no_heartbeats(active: Any, scope: anyio.CancelScope) -> None:
+        with scope:  # ended with the body, like the real heartbeat loop
+            await anyio.sleep_forever()
 
     worker._heartbeats = no_heartbeats  # type: ignore[method-assign]  # a worker gone silent
     caplog.set_level(logging.INFO, logger="stepd.worker")
@@ -211,8 +212,9 @@ def test_not_started_is_a_loud_worker_error(stack: Stack,
     class ForgetsStarted(stepd.Worker):
         """A worker with a bug: it never sends `started`."""
 
-        async def _started(self, active: Any, done: anyio.Event) -> None:
+        async def _started(self, active: Any, done: anyio.Event, sent: anyio.Event) -> None:
             done.set()
+            sent.set()
 
     worker = ForgetsStarted(stack.client if stack.kind == "embedded" else stack.url,
                             transport="auto" if stack.kind == "embedded" else stack.kind)
