@@ -37,7 +37,7 @@ from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 from ._stats import ActorStatistics, ActorTree
 from ._supervisor import Supervisor, SupervisorRef
 from ._system import ActorSystem
-from ._waiter import Waiter
+from ._waiter import Waiter, current_time
 
 __all__ = [
     "DEFAULT_WORKER_SHUTDOWN",
@@ -66,6 +66,7 @@ __all__ = [
     "WouldBlock",
     "add_restart",
     "check_message",
+    "current_time",
     "is_immutable_type",
     "register_immutable",
 ]

@@ -18,6 +18,8 @@ from typing import Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 
+from ._waiter import current_time as _current_time
+
 __all__ = ["Clock", "ManualClock", "SystemClock"]
 
 _NS = 1_000_000_000
@@ -67,7 +69,7 @@ class SystemClock:
         Raises:
             RuntimeError: outside an event loop (anyio's NoEventLoopError).
         """
-        return anyio.current_time()
+        return _current_time()  # anyio.current_time() without the backend lookup
 
     def time_ms(self) -> int:
         """Return the system wall-clock time in epoch milliseconds."""

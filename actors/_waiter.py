@@ -22,9 +22,28 @@ try:  # trio is a dependency, but the runtime must not need it on asyncio
 except ImportError:  # pragma: no cover
     _trio_lowlevel = None  # type: ignore[assignment]
 
-__all__ = ["Waiter"]
+__all__ = ["Waiter", "current_time"]
 
 _get_running_loop = asyncio.get_running_loop
+
+
+def current_time() -> float:
+    """`anyio.current_time()` without its backend lookup (~1.5 µs a call).
+
+    The event loop's clock: asyncio's ``loop.time()``, trio's `trio.current_time`
+    (a `trio.testing.MockClock` included), exactly what anyio returns.
+
+    Raises:
+        RuntimeError: outside an event loop.
+    """
+    try:
+        return _get_running_loop().time()
+    except RuntimeError:
+        if _trio_lowlevel is None:  # pragma: no cover
+            raise
+        import trio
+
+        return trio.current_time()  # raises RuntimeError outside trio too
 
 
 class Waiter:

@@ -74,8 +74,8 @@ class Definition:
 class Active:
     """A lease whose body this worker is running."""
 
-    __slots__ = ("ctx", "hard_scope", "lease", "poke", "poke_pending", "reported",
-                 "started_done", "started_on")
+    __slots__ = ("beating", "body_done", "body_started_at", "ctx", "hard_scope", "lease",
+                 "poke", "poke_pending", "reported", "started_done", "started_on")
 
     def __init__(self, lease: dict[str, Any], ctx: StepContext) -> None:
         self.lease = lease
@@ -86,6 +86,9 @@ class Active:
         self.reported = False
         self.started_done: anyio.Event | None = None  # `started` answered (or given up)
         self.started_on: Any = None  # the channel `started` last went out on
+        self.body_started_at = 0.0  # the event loop's clock when the body started
+        self.body_done = False  # the body returned (or raised): no heartbeat task to start
+        self.beating = False  # its heartbeat task was started
 
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
+import itertools
 import inspect
 import logging
 import random
@@ -34,6 +36,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
+from stepd.actors import Waiter, current_time
 from stepd._bodies import Active, Body, Definition, call_in_thread
 from stepd._channels import Channel, HttpChannel, InProcessChannel, Lost, Unencodable
 from stepd._errors import (
@@ -96,6 +99,9 @@ class LeaseProtocol:
     _channel_ready: anyio.Event
     _defs: dict[tuple[str, str | None], Definition]
     _active: dict[str, Active]
+    _beats_due: list[tuple[float, int, Active, anyio.CancelScope]]
+    _beats_seq: itertools.count[int]
+    _beats_wake: Waiter
     _running: int
     _stopping: bool
     _terminal_runs: collections.OrderedDict[str, float]
@@ -132,7 +138,7 @@ class LeaseProtocol:
             the typed answer (a conflict, NotFound, Invalid...), Unencodable, or
             Lost once ``give_up_s`` has passed.
         """
-        deadline = None if give_up_s is None else anyio.current_time() + give_up_s
+        deadline = None if give_up_s is None else current_time() + give_up_s
         attempt = 0
         while True:
             channel = self._channel
@@ -288,12 +294,14 @@ class LeaseProtocol:
                 # The body starts at once; `started` goes out beside it.
                 tg.start_soon(self._started, active, started, sent)
             if not (ctx.cancelled or active.reported):
-                beats = anyio.CancelScope()  # entered by the heartbeat task
-                tg.start_soon(self._heartbeats, active, beats)
+                beats = anyio.CancelScope()  # entered by the heartbeat task, if it starts
+                self._schedule_heartbeats(active, beats)
                 try:
                     outcome = await self._invoke(active, body)
                 finally:
-                    beats.cancel()
+                    active.body_done = True
+                    if active.beating:
+                        beats.cancel()
             # `complete` never overtakes `started`: it waits for started's answer, or
             # (one WebSocket) follows it on the wire (`_call`'s `after`).
             await sent.wait()
@@ -341,6 +349,42 @@ class LeaseProtocol:
         except RuntimeError:
             pass  # the worker's loop has ended
 
+    # Heartbeats. A lease's first heartbeat can go out no sooner than `gap` after
+    # its body starts (on `ctx.heartbeat()`; otherwise after a whole interval), so
+    # its heartbeat task is started only then, and only if the body still runs:
+    # most bodies end first, and then cost no task, no cancel scope, no wake-up.
+    # One task per worker (`_heartbeat_starter`) keeps the start times in a heap.
+
+    def _heartbeat_gap(self) -> float:
+        return min(1.0, self._heartbeat_s / 4)
+
+    def _schedule_heartbeats(self, active: Active, beats: anyio.CancelScope) -> None:
+        now = current_time()
+        active.body_started_at = now
+        due = now + self._heartbeat_gap()
+        heap = self._beats_due
+        heapq.heappush(heap, (due, next(self._beats_seq), active, beats))
+        if heap[0][2] is active:  # a new earliest: the starter may be sleeping past it
+            self._beats_wake.set()
+
+    async def _heartbeat_starter(self) -> None:
+        """Start the heartbeat task of each lease whose body outlives its gap."""
+        heap = self._beats_due
+        while True:
+            wake = self._beats_wake = Waiter()
+            if not heap:
+                await wake.wait()
+                continue
+            with anyio.move_on_at(heap[0][0]):
+                await wake.wait()
+            now = current_time()
+            while heap and heap[0][0] <= now:
+                _, _, active, beats = heapq.heappop(heap)
+                if not active.body_done and self._tg is not None:
+                    active.beating = True
+                    self._tg.start_soon(self._heartbeats, active, beats,
+                                        name=f"stepd heartbeats {active.ctx.lease_id}")
+
     async def _heartbeats(self, active: Active, scope: anyio.CancelScope) -> None:
         with scope:  # cancelled by `_execute` once the body is over
             await self._beat(active)
@@ -348,8 +392,8 @@ class LeaseProtocol:
     async def _beat(self, active: Active) -> None:
         ctx = active.ctx
         interval = self._heartbeat_s
-        gap = min(1.0, interval / 4)
-        last = anyio.current_time()
+        gap = self._heartbeat_gap()
+        last = active.body_started_at
         while True:
             with anyio.move_on_at(last + interval):
                 await active.poke.wait()

@@ -48,6 +48,7 @@ from stepd import _wire
 from stepd._http1 import Http1Client, Http1Error, wants_httpx
 from stepd._errors import Unavailable, error_from_answer, run_error
 from stepd._runs import TERMINAL, RunStatus, RunSummary
+from stepd.actors import current_time
 from stepd.engine.durations import Duration, parse_duration
 from stepd.engine.errors import Invalid
 
@@ -692,14 +693,14 @@ class AsyncClient:
                      timeout: float | None = None) -> Any:
         """`Client.result`."""
         run_id = _run_id(run)
-        deadline = None if timeout is None else anyio.current_time() + timeout
+        deadline = None if timeout is None else current_time() + timeout
         while True:
-            left = math.inf if deadline is None else deadline - anyio.current_time()
+            left = math.inf if deadline is None else deadline - current_time()
             wait_ms = int(min(left * 1000, _wire.RESULT_CHUNK_MS)) if left > 0 else 0
             answer = await self._backend.send(_wire.result(run_id, wait_ms))
             if answer["status"] in TERMINAL:
                 return _outcome(answer)
-            if deadline is not None and anyio.current_time() >= deadline:
+            if deadline is not None and current_time() >= deadline:
                 raise TimeoutError(f"run {run_id} is still {answer['status']} after {timeout} s")
 
     async def journal(self, run: AsyncRunHandle | RunHandle | str) -> list[dict[str, Any]]:

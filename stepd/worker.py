@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import os
 import signal
@@ -89,6 +90,7 @@ from stepd._channels import (
 from stepd._errors import Invalid, NotFound, StepdError, Unavailable
 from stepd._http1 import Http1Client, wants_httpx
 from stepd._leases import LeaseProtocol, backoff
+from stepd.actors import Waiter
 from stepd.workflow import Workflow
 
 if TYPE_CHECKING:
@@ -204,6 +206,10 @@ class Worker(LeaseProtocol):
         self._channel_kind: str | None = None
         self._fallback = False
         self._active: dict[str, Active] = {}
+        self._beats_due: list[tuple[float, int, Active, anyio.CancelScope]] = []
+        self._beats_seq = itertools.count()
+        self._beats_wake = Waiter()
+        self._beats_scope: anyio.CancelScope | None = None  # made in the loop, by run()
         self._running = 0
         self._stopping = False
         self._grace_deadline: float | None = None
@@ -448,8 +454,11 @@ class Worker(LeaseProtocol):
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self._beats_due.clear()
+                self._beats_scope = anyio.CancelScope()
                 tg.start_soon(self._connection_loop, name="stepd worker connection")
                 tg.start_soon(self._lifecycle, name="stepd worker lifecycle")
+                tg.start_soon(self._run_heartbeat_starter, name="stepd worker heartbeats")
                 if pre is not None:
                     self._stop_here(pre)
         except BaseExceptionGroup as group:
@@ -536,6 +545,11 @@ class Worker(LeaseProtocol):
         if self._ran and not self._done_thread.is_set():
             await self._done.wait()
 
+    async def _run_heartbeat_starter(self) -> None:
+        assert self._beats_scope is not None
+        with self._beats_scope:
+            await self._heartbeat_starter()
+
     async def _lifecycle(self) -> None:
         """Graceful stop (STYLE.md rule 22): stop taking, grace, cancel, wait, finish."""
         await self._stop_requested.wait()
@@ -558,6 +572,8 @@ class Worker(LeaseProtocol):
             active.hard_scope.cancel()
         while self._running > 0:
             await self._slots_ev.wait()
+        if self._beats_scope is not None:
+            self._beats_scope.cancel()  # no body runs: no heartbeat to start
         self._finished.set()
         if not self._in_pump and self._session_scope is not None:
             self._session_scope.cancel()

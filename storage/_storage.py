@@ -30,6 +30,8 @@ from typing import TypeVar, TypeVarTuple, Unpack
 import anyio
 import sniffio
 
+from stepd.actors import Waiter
+
 from ._env import REGISTRY, Gate, OpenEnv, check_tables, open_env
 from ._errors import StorageClosed, UsedAfterFork
 from ._keys import Key
@@ -326,7 +328,7 @@ class Storage:
             raise RuntimeError(
                 "await storage.write() from the event loop that opened the storage"
             )
-        event = anyio.Event()
+        event = Waiter()  # one waiter, set on this loop: no anyio.Event machinery
         req = Request(fn, args, event, self._clock())
         self._submit(req)
         await event.wait()

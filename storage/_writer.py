@@ -100,7 +100,7 @@ class Request:
         self,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
-        waiter: Any,  # an anyio.Event (awaited) or None (deferred)
+        waiter: Any,  # a stepd.actors.Waiter (awaited) or None (deferred)
         enqueued_at: float,
     ) -> None:
         self.fn = fn

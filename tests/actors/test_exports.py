@@ -59,6 +59,7 @@ EXPECTED_EXPORTS = {
     "WouldBlock",
     "add_restart",
     "check_message",
+    "current_time",
     "is_immutable_type",
     "register_immutable",
 }

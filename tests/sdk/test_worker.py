@@ -317,3 +317,36 @@ def _try_start(client: stepd.Client, name: str) -> stepd.RunHandle | None:
         return client.start(name)
     except stepd.Unprocessable:  # not registered yet
         return None
+
+
+def test_heartbeats_keep_a_long_body_s_lease_alive(fast_stack: Stack) -> None:
+    """Bodies four lease TTLs long, on every transport, keep their first attempt.
+
+    fast_stack: TTL 300 ms, heartbeats every 100 ms. The worker starts a lease's
+    heartbeat task only once its body has run for the heartbeat gap (25 ms
+    here); a body shorter than that never needs one. One body heartbeats on its
+    own only; the other also reports progress (`ctx.heartbeat`) on the way.
+    """
+    stack = fast_stack
+    name = unique("beats")
+
+    async def quiet(ctx: stepd.StepContext, input: Any) -> int:
+        await anyio.sleep(1.2)
+        return ctx.attempt
+
+    def chatty(ctx: stepd.StepContext, input: Any, steps: dict[str, Any]) -> int:
+        for i in range(12):
+            ctx.heartbeat({"done": i})
+            time.sleep(0.1)
+        return ctx.attempt
+
+    wf = stepd.Workflow(name).then(quiet).then(chatty)
+    worker = stack.worker(wf)
+    with serving(worker):
+        run = stack.client.start(wf)
+        assert run.result(timeout=20) == 1
+        assert worker._beats_due == [] or all(a.body_done for _, _, a, _ in worker._beats_due)
+    types = journal_types(stack.client, run)
+    assert "step_orphaned" not in types and "step_recovered" not in types
+    assert [e["attempt"] for e in stack.client.journal(run) if e["type"] == "step_completed"] \
+        == [1, 1]
