@@ -51,6 +51,7 @@ import anyio
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.actors.daemon import Engine, SignalRefused
 from stepd.actors.daemon import store as _store
+from stepd.actors.daemon.messages import InTxn
 from stepd.storage import StorageClosed, WriteTxn
 
 from stepd.engine.errors import (
@@ -459,11 +460,11 @@ class Protocol:
                     reply = await self._run(op, target, query or {}, body)
                 if scope.cancelled_caught:
                     raise Unavailable("the daemon is shutting down")
-            elif op is Operation.START_RUN:
-                started = _StartAudit(self, principal)
-                reply = await self._start_run(body, started)
-                if started.written:
-                    return reply  # its audit entry committed with the run
+            elif op in _AUDITED_IN_TXN:
+                audit = _TxnAudit(self, principal, op)
+                reply = await self._run(op, target, query or {}, body, audit)
+                if audit.written:
+                    return reply  # its audit entry committed with the change
             else:
                 reply = await self._run(op, target, query or {}, body)
         except StepdError as exc:
@@ -500,9 +501,8 @@ class Protocol:
             log.exception("%s failed (target %r): answered 500", op.value, target)
             return error_reply(exc)
 
-    async def _start_run(self, body: Any, audit: _StartAudit | None) -> Reply:
+    async def _start_run(self, body: Any, in_txn: InTxn | None) -> Reply:
         args = parse_start_run(body)
-        in_txn = audit.write if audit is not None and audit.enabled else None
         run_id, created = await self.engine.start_run(
             args["workflow"], args["input"], version=args["version"],
             correlation=args["correlation"], idempotency_key=args["idempotency_key"],
@@ -511,7 +511,7 @@ class Protocol:
         return Reply(201 if created else 200, {"run_id": run_id, "created": created})
 
     async def _run(self, op: Operation, target: str | None, query: Mapping[str, Any],
-                   body: Any) -> Reply:
+                   body: Any, audit: _TxnAudit | None = None) -> Reply:
         e = self.engine
         spec = SPECS[op]
         run_id = lease_id = ""
@@ -540,8 +540,9 @@ class Protocol:
                 raise NotFound(f"worker {wid!r} is not registered: register without worker_id")
             return Reply(200, await e.register_worker(**args))
 
+        in_txn = audit.write if audit is not None and audit.enabled else None
         if op is Operation.START_RUN:
-            return await self._start_run(body, None)
+            return await self._start_run(body, in_txn)
         if op is Operation.GET_RUN:
             return Reply(200, e.status(run_id))
         if op is Operation.LIST_RUNS:
@@ -560,11 +561,11 @@ class Protocol:
                                "result": view["result"], "error": view["error"]})
         if op is Operation.SIGNAL:
             args = parse_signal(body)
-            await e.signal(run_id, args["name"], args["payload"])
+            await e.signal(run_id, args["name"], args["payload"], in_txn=in_txn)
             return Reply(200, {})
         if op is Operation.CANCEL:
             parse_cancel(body)
-            await e.cancel(run_id)
+            await e.cancel(run_id, in_txn=in_txn)
             return Reply(200, {})
         if op is Operation.LIST_WORKERS:
             return Reply(200, {"workers": self._workers()})
@@ -823,29 +824,35 @@ def _count_runs_txn(txn: Any) -> dict[str, int]:
 
 
 
-class _StartAudit:
-    """A start's audit entry, written inside the start's own transaction.
+_AUDITED_IN_TXN: Final = frozenset({Operation.START_RUN, Operation.SIGNAL, Operation.CANCEL})
+"""Mutations whose audit entry is written inside the change's own transaction."""
 
-    Why: a start pays for one synced commit; a second one for its audit entry
-    cost ~0.2 ms per start and left a window where the run existed without
-    its entry. Inside the transaction the entry exists if and only if the
-    start does. `write` may run twice (a batch re-run after map growth): it
-    only sets `written`, which is read after the commit.
+
+class _TxnAudit:
+    """A start's, signal's or cancel's audit entry, written in the change's transaction.
+
+    Why: the change pays for one synced commit; a second one for its audit
+    entry cost ~0.2 ms per call and left a window where the change was durable
+    without its entry. Inside the transaction the entry exists if and only if
+    the change does. `write` may run twice (a batch re-run after map growth):
+    it only sets `written`, which is read after the commit. When nothing is
+    written (a refusal, a re-found idempotency key, a signal refused over
+    budget) the caller records the entry itself.
     """
 
     __slots__ = ("base", "seq", "written")
 
-    def __init__(self, protocol: Protocol, principal: Principal) -> None:
+    def __init__(self, protocol: Protocol, principal: Principal, op: Operation) -> None:
         self.base: AuditEntry | None = None
         self.seq = 0
         self.written = False
         audit = protocol.audit
         if audit is None:
             return
-        spec = SPECS[Operation.START_RUN]
+        spec = SPECS[op]
         assert spec.audit is not None
         self.base = audit.new_entry(key_id=principal.key_id, scope=principal.scope.value,
-                                    action=spec.audit, target=None, status=201)
+                                    action=spec.audit, target=None, status=200)
         self.seq = audit.next_seq()
 
     @property

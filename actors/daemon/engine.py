@@ -57,7 +57,7 @@ from stepd.engine.lease import LeaseRecord, Op
 from stepd.engine.pricing import PriceBook, step_usage
 from stepd.engine.record import RunRecord
 from stepd.engine.run import RunMachine
-from stepd.storage import Storage, WriteTxn
+from stepd.storage import Storage
 
 from . import ids, store
 from .catalog import Catalog, Registered, register_txn
@@ -68,6 +68,7 @@ from .messages import (
     CancelWait,
     Claim,
     EndLease,
+    InTxn,
     LeaseCall,
     ReleaseLease,
     Offer,
@@ -305,7 +306,7 @@ class Engine:
         correlation: Any = None,
         idempotency_key: str | None = None,
         deadline_ms: int | None = None,
-        in_txn: Callable[[WriteTxn, str, bool], None] | None = None,
+        in_txn: InTxn | None = None,
     ) -> tuple[str, bool]:
         """Start a run, or return the run an idempotency key already started.
 
@@ -484,17 +485,26 @@ class Engine:
             await event.wait()
         return self.status(run_id)
 
-    async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
-        """Send a signal. Raises SignalRefused (409 budget_exceeded), RunTerminal, NotFound, Invalid."""
+    async def signal(self, run_id: str, name: str, payload: Any = None, *,
+                     in_txn: InTxn | None = None) -> None:
+        """Send a signal. Raises SignalRefused (409 budget_exceeded), RunTerminal, NotFound, Invalid.
+
+        `in_txn(txn, run_id, False)` is written in the signal's transaction (see
+        `start_run`); a refused signal writes nothing, so it is not called.
+        """
         if not isinstance(name, str) or not name:
             raise Invalid("must be a non-empty string", field="name")
         self._record(run_id)
-        await self.ask_run(run_id, Signal(name, payload))
+        await self.ask_run(run_id, Signal(name, payload, in_txn))
 
-    async def cancel(self, run_id: str, message: str = "cancelled") -> None:
-        """Cancel a run. Raises RunTerminal (already over), NotFound."""
+    async def cancel(self, run_id: str, message: str = "cancelled", *,
+                     in_txn: InTxn | None = None) -> None:
+        """Cancel a run. Raises RunTerminal (already over), NotFound.
+
+        `in_txn(txn, run_id, False)` is written in the cancel's transaction.
+        """
         self._record(run_id)
-        await self.ask_run(run_id, CancelRun(message))
+        await self.ask_run(run_id, CancelRun(message, in_txn))
 
     # ------------------------------------------------------------------ worker calls
 

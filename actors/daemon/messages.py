@@ -14,11 +14,16 @@ Who sends what:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from stepd.engine.events import AttemptSpec
 from stepd.engine.lease import Op
+from stepd.storage import WriteTxn
+
+InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
+"""Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +98,13 @@ class AttemptNote:
 class Signal:
     name: str
     payload: Any = None
+    also: InTxn | None = None  # written in the signal's transaction (its audit entry)
 
 
 @dataclass(frozen=True, slots=True)
 class CancelRun:
     message: str = "cancelled"
+    also: InTxn | None = None  # written in the cancel's transaction (its audit entry)
 
 
 @dataclass(frozen=True, slots=True)

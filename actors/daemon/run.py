@@ -163,12 +163,17 @@ class RunActor(Actor):
         if isinstance(message, AttemptNote):
             return await self._note(message)
         if isinstance(message, Signal):
-            tr = await self._handle(SignalReceived(message.name, message.payload))
+            tr = self.machine.handle(SignalReceived(message.name, message.payload),
+                                     self.clock.time_ms())
+            # A refused signal journals its refusal; its audit entry (a 409) is
+            # the caller's to write, not this transaction's.
+            await self._commit(tr, also=message.also if tr.refused is None else None)
+            await self._effects(tr)
             if tr.refused is not None:
                 raise SignalRefused(tr.refused[1])
             return None
         if isinstance(message, CancelRun):
-            await self._handle(Cancel(message.message))
+            await self._handle(Cancel(message.message), also=message.also)
             return None
         if isinstance(message, InboxChanged):
             await self._drain_inbox()
@@ -332,7 +337,7 @@ class RunActor(Actor):
 
     async def _commit(self, tr: Transition, **extra: Any) -> None:
         if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
-            return  # nothing happened (a tick with nothing due)
+            return  # nothing happened (a tick with nothing due, a refused signal)
         w = self._write(tr, **extra)
         await self.engine.storage.write(store.apply_txn, w)
         self._arm()

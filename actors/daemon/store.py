@@ -91,8 +91,9 @@ class RunWrite:
     children: list[RunWrite] = field(default_factory=list)
     inbox: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (target, source, msg)
     inbox_done: list[bytes] = field(default_factory=list)
-    # with create: called in the same transaction with (txn, run id, created), the
-    # run id being the existing one when `dispatch_key` was taken (the start's audit entry)
+    # called in the same transaction with (txn, run id, created): the audit entry of
+    # the start, signal or cancel this write applies; for a start whose `dispatch_key`
+    # was taken, with the existing run's id and created=False
     also: Callable[[WriteTxn, str, bool], None] | None = None
 
 
@@ -143,8 +144,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         txn.delete(INBOX, key)
     for child in w.children:
         apply_txn(txn, child)
-    if w.create and w.also is not None:
-        w.also(txn, w.run_id, True)
+    if w.also is not None:
+        w.also(txn, w.run_id, w.create)
     return None
 
 

@@ -25,6 +25,10 @@ from stepd.engine.errors import AlreadyApplied, Invalid, NotFound, RunTerminal, 
 from .conftest import InProcDaemon, task_def, unique
 
 
+def _nothing(txn: Any) -> None:
+    """A write that writes nothing: awaiting it commits the deferred writes queued before it."""
+
+
 def _in(inproc: InProcDaemon, fn: Callable[[InProcess], Awaitable[Any]]) -> Any:
     """Run ``fn(InProcess(protocol))`` on the daemon's event loop."""
 
@@ -198,6 +202,7 @@ def test_a_start_and_its_audit_entry_commit_together(inproc: InProcDaemon) -> No
     key = f"{name}:once"
 
     async def start_counting() -> tuple[dict[str, Any], int]:
+        await storage.write(_nothing)  # commits whatever an earlier test left queued behind
         before = storage.statistics().commits
         answer = await InProcess(inproc.daemon.protocol).start_run(
             {"workflow": name, "input": None, "idempotency_key": key})
@@ -221,3 +226,38 @@ def test_a_start_and_its_audit_entry_commit_together(inproc: InProcDaemon) -> No
     mine = [(e["status"], e["target"]) for e in entries() if e["target"] == first["run_id"]]
     assert sorted(mine) == [(200, first["run_id"]), (201, first["run_id"])]
     assert any(e["status"] == 422 for e in entries())
+
+
+def test_a_signal_and_a_cancel_commit_with_their_audit_entries(inproc: InProcDaemon) -> None:
+    """Signal and cancel: one synced commit each, their audit entry inside it.
+
+    A signal refused over budget writes nothing but its entry (409); a cancel
+    of a finished run is refused (409 run_terminal) and audited as such.
+    """
+    name = unique()
+    _in(inproc, lambda c: c.register({"definitions": [{
+        "name": name, "budgets": {"max_state_bytes": 64},
+        "steps": [{"id": "w", "kind": "wait", "event": "go", "into": "go"},
+                  {"id": "w2", "kind": "wait", "event": "again", "into": "again"}]}]}))
+    run_id = _in(inproc, lambda c: c.start_run({"workflow": name, "input": None}))["run_id"]
+    storage = inproc.daemon.engine.storage
+
+    def counted(fn: Callable[[InProcess], Awaitable[Any]]) -> int:
+        async def go() -> int:
+            await storage.write(_nothing)  # commits whatever was left queued behind
+            before = storage.statistics().commits
+            await fn(InProcess(inproc.daemon.protocol))
+            return storage.statistics().commits - before
+        return int(inproc.run(go))
+
+    assert counted(lambda c: c.signal(run_id, {"name": "go", "payload": "x"})) == 1
+    refused = _raises(inproc, lambda c: c.signal(run_id, {"name": "again", "payload": "y" * 500}))
+    assert isinstance(refused, SignalRefused)
+    assert counted(lambda c: c.cancel(run_id)) == 1
+    terminal = _raises(inproc, lambda c: c.cancel(run_id))
+    assert isinstance(terminal, RunTerminal)
+
+    page = _in(inproc, lambda c: c.audit(limit=1000))["entries"]
+    mine = sorted((e["action"], e["status"]) for e in page if e["target"] == run_id)
+    assert mine == sorted([("runs.start", 201), ("runs.signal", 200), ("runs.signal", 409),
+                           ("runs.cancel", 200), ("runs.cancel", 409)])
