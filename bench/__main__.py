@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -235,8 +236,9 @@ SECTION_TIMEOUT_S = {"main": 600, "E": 900, "F": 400}
 
 
 def run_child(section: str, transport: str, args: argparse.Namespace, only: set[str],
-              tmp: Path, out: Output) -> list[str]:
-    """Run one section in a child process; its rows go to `out`; returns its failures."""
+              tmp: Path, out: Output, tag: dict[str, Any] | None = None) -> list[str]:
+    """Run one section in a child process; its rows go to `out` (with `tag` added);
+    returns its failures."""
     cmd = [sys.executable, "-m", "bench", "--child", section, "--transport", transport,
            "--only", ",".join(sorted(only)), "--tmp", str(tmp), "--f-workers", str(args.f_workers)]
     if args.quick:
@@ -270,7 +272,7 @@ def run_child(section: str, transport: str, args: argparse.Namespace, only: set[
             if row.get("workload") == "failure":
                 failures.append(f"{transport} {row.get('section')}: {row.get('message')}")
             else:
-                out.add(row)
+                out.add({**row, **(tag or {})})
     finally:
         if proc.poll() is None:  # we are being interrupted: let the child clean up, bounded
             proc.send_signal(signal.SIGINT)
@@ -283,6 +285,31 @@ def run_child(section: str, transport: str, args: argparse.Namespace, only: set[
     if code != 0 and not failures:
         failures.append(f"{transport} {section}: exited {code}")
     return failures
+
+
+def median_of_repeats(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from N runs of a workload: each number (and each number in a dict of
+    numbers, such as ``cpu_s``) is the median of its N values; ``per_repeat`` keeps them."""
+    out: dict[str, Any] = {"repeats": len(rows), "per_repeat": {}}
+    skip = {"engine", "transport", "workload", "repeat", "quick"}
+    for key, first in rows[0].items():
+        if key in skip:
+            continue
+        values = [r.get(key) for r in rows]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            median = statistics.median(values)
+            integral = all(isinstance(v, int) for v in values) and median == int(median)
+            out[key] = int(median) if integral else round(median, 3)
+            out["per_repeat"][key] = values
+        elif all(isinstance(v, dict) for v in values) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool)
+                for v in values for x in v.values()):
+            keys = set().union(*(v.keys() for v in values))
+            out[key] = {k: round(statistics.median(v[k] for v in values if k in v), 3)
+                        for k in sorted(keys)}
+        else:
+            out[key] = first
+    return out
 
 
 def reap_leftovers(tmp: Path) -> None:
@@ -332,6 +359,9 @@ def main() -> None:
                         help=f"F over the network: worker processes sharing the leases ({F_WORKERS})")
     parser.add_argument("--child", choices=["main", "E", "F"], help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run A-D this many times per transport (taking turns, each on a "
+                             "fresh daemon) and report the median of the per-run figures")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (data, daemon and worker logs)")
     args = parser.parse_args()
@@ -344,6 +374,8 @@ def main() -> None:
     for t in transports:
         if t not in TRANSPORTS:
             parser.error(f"unknown transport {t!r}; expected {', '.join(TRANSPORTS)}")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.child:
         child_main(args, only)
         return
@@ -360,6 +392,24 @@ def main() -> None:
         out.emit(None, "machine", machine())
         sections = plan(transports, only, args.quick)
         parallel = [ts for ts in sections if args.quick and ts[1] == "F"]
+        if args.repeat > 1:
+            # The A-D section N times, the transports taking turns, then the rest once.
+            mains = [ts for ts in sections if ts[1] == "main"]
+            for rep in range(1, args.repeat + 1):
+                for transport, section in mains:
+                    log(f"repeat {rep}/{args.repeat}: {transport}")
+                    try:
+                        failures += run_child(section, transport, args, only, tmp, out,
+                                              {"repeat": rep})
+                    finally:
+                        reap_leftovers(tmp)
+            for transport, _ in mains:
+                for workload in ("A", "B", "C", "D"):
+                    reps = [r for r in out.rows if r.get("transport") == transport
+                            and r.get("workload") == workload and "repeat" in r]
+                    if reps:
+                        out.emit(transport, workload, median_of_repeats(reps))
+            sections = [ts for ts in sections if ts[1] != "main"]
         for transport, section in [ts for ts in sections if ts not in parallel]:
             try:
                 failures += run_child(section, transport, args, only, tmp, out)

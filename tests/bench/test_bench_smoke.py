@@ -35,3 +35,35 @@ def test_quick_a_embedded(tmp_path: Path) -> None:
     assert by_workload["baseline"]["synced_lmdb_commit_ms_median"] > 0
     assert by_workload["run"]["failures"] == []
     assert "A per-step median" in proc.stdout  # the table
+
+
+def test_repeat_reports_the_median_of_the_runs(tmp_path: Path) -> None:
+    """``--repeat 3``: three A rows tagged 1-3, then one row with their medians."""
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "A", "--transport", "embedded",
+         "--repeat", "3", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in rows if r["workload"] == "A" and "repeat" in r]
+    assert [r["repeat"] for r in runs] == [1, 2, 3]
+    median = next(r for r in rows if r["workload"] == "A" and "repeats" in r)
+    values = sorted(r["per_step_ms_median"] for r in runs)
+    assert median["repeats"] == 3 and median["per_step_ms_median"] == values[1]
+    assert median["per_repeat"]["per_step_ms_median"] == [r["per_step_ms_median"] for r in runs]
+    assert median["runs"] == runs[0]["runs"] and isinstance(median["runs"], int)
+
+
+def test_median_of_repeats_takes_numbers_and_dicts_of_numbers() -> None:
+    from bench.__main__ import median_of_repeats
+
+    rows = [{"engine": "stepd", "workload": "B", "repeat": i, "steps_per_s": v,
+             "cpu_s": {"daemon": c, "worker": 1.0}, "workflows": 1000, "note": "x"}
+            for i, (v, c) in enumerate([(900.0, 3.0), (1100.0, 2.0), (1000.0, 4.0)], 1)]
+    m = median_of_repeats(rows)
+    assert m["steps_per_s"] == 1000.0 and m["cpu_s"] == {"daemon": 3.0, "worker": 1.0}
+    assert m["workflows"] == 1000 and m["note"] == "x" and m["repeats"] == 3
+    assert m["per_repeat"]["steps_per_s"] == [900.0, 1100.0, 1000.0]
+    assert "repeat" not in m and "engine" not in m
