@@ -90,7 +90,7 @@ async def test_cancelling_run_fails_the_running_bodies_back(tmp_path: Path) -> N
     async def hold(ctx: stepd.StepContext, input: Any) -> str:
         if ctx.attempt == 1:
             running.set()
-            await anyio.sleep(30)
+            await anyio.sleep_forever()  # until the test cancels it
         return f"attempt {ctx.attempt}"
 
     wf = stepd.Workflow(name).then(hold, retry=stepd.Retry(initial_backoff=1))

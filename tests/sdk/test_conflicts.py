@@ -50,7 +50,7 @@ def test_cancelling_a_run_cancels_its_async_and_sync_bodies(fast_stack: Stack) -
     async def hold_async(ctx: stepd.StepContext, input: Any) -> str:
         running["async"].set()
         try:
-            await anyio.sleep(30)
+            await anyio.sleep_forever()  # until the test cancels it
         finally:
             seen["async"] = (ctx.cancelled, ctx.cancel_reason, ctx.cancel_scope.cancel_called)
         return "not reached"
@@ -100,7 +100,7 @@ def test_a_fenced_lease_cancels_its_body_and_the_retry_completes(fast_stack: Sta
         async def slow(ctx: stepd.StepContext, input: Any) -> int:
             if ctx.attempt == 1:
                 try:
-                    await anyio.sleep(30)
+                    await anyio.sleep_forever()  # until the test cancels it
                 finally:
                     seen.append((ctx.attempt, ctx.cancel_reason))
             return ctx.attempt

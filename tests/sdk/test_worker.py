@@ -72,7 +72,7 @@ def test_a_body_past_the_grace_period_is_failed_back_and_retried_elsewhere(
             if ctx.attempt == 1:
                 running.set()
                 try:
-                    await anyio.sleep(30)
+                    await anyio.sleep_forever()  # until the test cancels it
                 finally:
                     ended.append(ctx.cancel_reason)
             return f"attempt {ctx.attempt}"
@@ -320,7 +320,7 @@ def _try_start(client: stepd.Client, name: str) -> stepd.RunHandle | None:
 
 
 def test_heartbeats_keep_a_long_body_s_lease_alive(fast_stack: Stack) -> None:
-    """Bodies four lease TTLs long, on every transport, keep their first attempt.
+    """Bodies longer than a lease TTL plus its recovery window keep their first attempt.
 
     fast_stack: TTL 300 ms, heartbeats every 100 ms. The worker starts a lease's
     heartbeat task only once its body has run for the heartbeat gap (25 ms
@@ -331,11 +331,11 @@ def test_heartbeats_keep_a_long_body_s_lease_alive(fast_stack: Stack) -> None:
     name = unique("beats")
 
     async def quiet(ctx: stepd.StepContext, input: Any) -> int:
-        await anyio.sleep(1.2)
+        await anyio.sleep(0.7)  # TTL 0.3 s + recovery window 0.2 s: recovered without beats
         return ctx.attempt
 
     def chatty(ctx: stepd.StepContext, input: Any, steps: dict[str, Any]) -> int:
-        for i in range(12):
+        for i in range(7):
             ctx.heartbeat({"done": i})
             time.sleep(0.1)
         return ctx.attempt
