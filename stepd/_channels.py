@@ -27,6 +27,7 @@ safe to repeat), `Unencodable` when the body is not JSON.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import logging
@@ -84,7 +85,7 @@ class Host(Protocol):
     def on_cancel(self, lease_id: str, reason: str) -> None: ...
 
 
-class Channel:
+class Channel(abc.ABC):
     """One registered connection to the daemon."""
 
     kind: ClassVar[str]
@@ -93,16 +94,16 @@ class Channel:
     (one WebSocket: frames arrive in order, and the daemon applies a lease's frames in
     arrival order). Then `complete` may be sent right behind `started`, unanswered."""
 
-    async def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def register(self, body: dict[str, Any]) -> dict[str, Any]: ...
 
+    @abc.abstractmethod
     async def call(self, op: str, lease_id: str, body: dict[str, Any], *,
                    on_sent: Callable[[], None] | None = None) -> dict[str, Any]:
         """One lease call; ``on_sent()`` once the request is on the wire (ordered channels)."""
-        raise NotImplementedError
 
-    async def pump(self, host: Host, max_request_ms: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def pump(self, host: Host, max_request_ms: int) -> None: ...
 
     def stop_taking(self) -> None:
         """The worker stops: take no more leases (what can be revoked is revoked)."""

@@ -19,6 +19,7 @@ is safe to repeat); heartbeats are not (the next one follows soon).
 
 from __future__ import annotations
 
+import abc
 import collections
 import functools
 import heapq
@@ -87,7 +88,7 @@ def _message(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
-class LeaseProtocol:
+class LeaseProtocol(abc.ABC):
     """The per-lease half of `stepd.Worker`: it reads the worker's state below."""
 
     name: str
@@ -113,11 +114,11 @@ class LeaseProtocol:
     _loop_thread: int | None
     grace: float
 
-    def _slots_changed(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _slots_changed(self) -> None: ...
 
-    def _stop_here(self, grace: float) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _stop_here(self, grace: float) -> None: ...
 
     # ------------------------------------------------------------------ calls
 

@@ -33,6 +33,7 @@ failure is raised as `Unavailable` (its cause is the transport's error).
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import random
@@ -160,9 +161,9 @@ def _embedded_of(target: Any) -> Embedded | None:
 # --------------------------------------------------------------------------- backends
 
 
-class _SyncBackend:
-    def send(self, call: _wire.Call) -> dict[str, Any]:
-        raise NotImplementedError
+class _SyncBackend(abc.ABC):
+    @abc.abstractmethod
+    def send(self, call: _wire.Call) -> dict[str, Any]: ...
 
     def close(self) -> None:
         pass
@@ -214,9 +215,9 @@ class _SyncEmbedded(_SyncBackend):
         return daemon.call_blocking(invoke)
 
 
-class _AsyncBackend:
-    async def send(self, call: _wire.Call) -> dict[str, Any]:
-        raise NotImplementedError
+class _AsyncBackend(abc.ABC):
+    @abc.abstractmethod
+    async def send(self, call: _wire.Call) -> dict[str, Any]: ...
 
     async def aclose(self) -> None:
         pass
