@@ -138,6 +138,10 @@ class Engine:
         #: When each live lease last had a call: a killed lease actor's
         #: successor keeps counting its expiry from there.
         self.lease_touched: dict[str, int] = {}
+        #: The earliest index entry committed since the timer actor last looked
+        #: (`take_timer_hint`), and whether a poke to look is in its mailbox.
+        self._timer_hint: int | None = None
+        self._timer_poked = False
         #: Runs by status, kept current by every transition (for /metrics).
         self.status_counts: dict[str, int] = {}
         self.closing = False
@@ -363,7 +367,7 @@ class Engine:
         for created in walk_writes([w]):
             self.status_moved(None, created.record["status"])
         if w.due_new is not None:
-            self._timer_changed(w.due_new)
+            self.timer_index_changed(w.due_new)
         await self._activate(run_id, (machine, tr))
         for child in created_ids(w.children):
             await self.wake_run(child, None)
@@ -764,11 +768,32 @@ class Engine:
         if event is not None:
             event.set()
 
-    def _timer_changed(self, due_ms: int) -> None:
+    def timer_index_changed(self, due_ms: int) -> None:
+        """Let the timer actor know a run's index entry at `due_ms` is on record.
+
+        Only once it is committed: a sweep between this call and the commit
+        would not see the entry and would sleep past it (CI lost a run's
+        100 ms sleep that way). The due time goes into a hint, not into a
+        message, so nothing is lost when the mailbox is full or the actor is
+        restarting: at most one poke is queued, and the actor takes the hint
+        on every message it handles (and rescans the table when it starts).
+        """
+        hint = self._timer_hint
+        if hint is None or due_ms < hint:
+            self._timer_hint = due_ms
+        if self._timer_poked:
+            return
         try:
-            self.system.resolve("/timers").tell_nowait(TimerIndexChanged(due_ms))
+            self.system.resolve("/timers").tell_nowait(TimerIndexChanged())
+            self._timer_poked = True
         except (ActorDead, ActorNotFound, anyio.WouldBlock):
-            pass
+            pass  # full: it is busy and takes the hint soon; dead: it rescans
+
+    def take_timer_hint(self) -> int | None:
+        """The timer actor's side of `timer_index_changed`."""
+        hint, self._timer_hint = self._timer_hint, None
+        self._timer_poked = False
+        return hint
 
     async def _activate(
         self,

@@ -142,6 +142,12 @@ class RunActor(Actor):
             return await self._dispatch(message)
         finally:
             if self._passivable():
+                if self.indexed_due is not None:
+                    # From now on only the timer actor wakes this run. Its index
+                    # entry is committed (every write of this run is), so the
+                    # timer actor's next sweep sees it; telling it earlier (at
+                    # the write) lost runs to a sweep between tell and commit.
+                    self.engine.timer_index_changed(self.indexed_due)
                 self.stop()
 
     def _passivable(self) -> bool:
@@ -159,6 +165,10 @@ class RunActor(Actor):
             return await self._offer(message)
         if isinstance(message, Due):
             await self._handle(Tick())
+            # A Tick with nothing due (its timer fired a little early, or was
+            # asked for by a sweep) commits nothing and so arms nothing: arm
+            # again, or an actor kept alive by its mailbox would have no timer.
+            self._arm()
             return None
         if isinstance(message, AttemptNote):
             return await self._note(message)
@@ -324,9 +334,6 @@ class RunActor(Actor):
                 for child in effect.run_ids:
                     w.inbox.append((child, self.run_id, {"type": "cancel",
                                                          "message": f"parent run {self.run_id} ended"}))
-        if due is not None and due != self.indexed_due:
-            # The timer actor wakes this run if it passivates before `due`.
-            self.engine._timer_changed(due)
         self.indexed_due = due
         self.indexed_active = active
         status = m.record.status.value

@@ -6,9 +6,11 @@ transaction that passivated it). This actor sleeps until the earliest entry,
 then re-activates every run that is due; the run's own `on_start` arms its
 timer and fires it, and its transaction moves or deletes the index entry.
 
-Run actors tell it `TimerIndexChanged` when they persist an earlier deadline
-than the one it sleeps towards; after a restart it rescans the table, so a lost
-tell costs nothing.
+A run that passivates with a deadline reports it (`Engine.timer_index_changed`,
+after the entry is committed) as a hint plus one `TimerIndexChanged` poke; the
+actor takes the hint on every message and re-arms if it is earlier than what
+it sleeps towards. After a restart it rescans the table, so a lost poke costs
+nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TimerIndexChanged:
-    due_ms: int
+    """A poke: take the engine's timer hint."""
 
 
 #: Wake at most this many runs per turn, so a burst of due timers does not hold
@@ -57,17 +59,18 @@ class TimerActor(Actor):
         self.cursor: bytes | None = None  # where the current sweep goes on
 
     async def on_start(self) -> None:
+        self.engine.take_timer_hint()  # the scan covers it: hints are committed first
         self._rearm(settle=False)
 
     async def receive(self, message: Any) -> Any:
-        if isinstance(message, TimerIndexChanged):
-            if self.armed_for is None or message.due_ms < self.armed_for:
-                self._arm_at(message.due_ms)
-            return None
         if isinstance(message, Due):
             await self._sweep()
-            return None
-        raise TypeError(f"timers: unexpected message {message!r}")
+        elif not isinstance(message, TimerIndexChanged):
+            raise TypeError(f"timers: unexpected message {message!r}")
+        hint = self.engine.take_timer_hint()
+        if hint is not None and (self.armed_for is None or hint < self.armed_for):
+            self._arm_at(hint)
+        return None
 
     async def _sweep(self) -> None:
         """Wake every run whose deadline has come, in due order, a batch per turn.

@@ -6,6 +6,7 @@ one-hour sleep takes a millisecond.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import pytest
 
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig, SignalRefused
+from stepd.actors.daemon.messages import Due
+from stepd.actors.daemon.timers import TimerIndexChanged
 from stepd.engine.errors import NotFound, RunTerminal
 
 from .helpers import claim_one, eventually, finish, run_actor_alive
@@ -195,3 +198,47 @@ async def test_a_thousand_passivated_sleepers_all_wake(engine: Engine, clock: Ma
     # (the counters move as transitions are made; the records once committed)
     await eventually(lambda: all(engine.status(r)["status"] == "completed" for r in ids))
     assert engine.storage.scan("timers") == []
+
+
+GATED_NAP = {"name": "gated_nap", "steps": [
+    {"id": "gate", "kind": "wait", "event": "go", "timeout_ms": 3_600_000},
+    {"id": "nap", "kind": "sleep", "duration_ms": 100},
+    {"id": "b", "kind": "task", "body": "b"},
+]}
+
+
+async def test_a_sweep_between_a_runs_write_and_its_commit_does_not_lose_its_timer(
+        engine: Engine, clock: ManualClock) -> None:
+    """The CI failure of 2026-11-30 (examples/research.py, "still sleeping after 30 s").
+
+    A signal moves a passivated run from a one-hour wait to a 100 ms sleep. If
+    the timer actor sweeps while that write is still uncommitted, it sees only
+    the wait's entry and sleeps towards it; the run then passivates. Nothing
+    may depend on the sweep's timing: the run must still wake at 100 ms.
+    """
+    wid = await register(engine, GATED_NAP)
+    run_id, _ = await engine.start_run("gated_nap")
+    await eventually(lambda: not run_actor_alive(engine, run_id), what="passivated, waiting")
+    timers = engine.system.resolve("/timers")
+    holding, gate = threading.Event(), threading.Event()
+
+    def held(txn: Any) -> None:  # holds the writer thread: later writes queue behind it
+        holding.set()
+        gate.wait(10)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.storage.write, held)
+        await eventually(holding.is_set, what="the writer held")
+        before = engine.storage.statistics().commits
+        tg.start_soon(engine.signal, run_id, "go", {})
+        await eventually(lambda: engine.storage.statistics().queued >= 1, what="the signal's write queued")
+        # The sweep, while the signal's transition is written but not committed.
+        timers.tell_nowait(Due())
+        await timers.ask(TimerIndexChanged())  # served after the sweep
+        gate.set()
+    assert engine.storage.statistics().commits > before
+    await eventually(lambda: status(engine, run_id) == "sleeping")
+    await eventually(lambda: not run_actor_alive(engine, run_id), what="passivated, sleeping")
+    clock.advance(0.1)
+    lease = await claim_one(engine, wid)
+    assert lease["step_id"] == "b"
