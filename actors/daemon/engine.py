@@ -368,7 +368,12 @@ class Engine:
             self.status_moved(None, created.record["status"])
         if w.due_new is not None:
             self.timer_index_changed(w.due_new)
-        await self._activate(run_id, (machine, tr))
+        try:
+            await self._activate(run_id, (machine, tr))
+        except ActorDead:
+            # Committed, but a supervisor it needs is restarting: start it from
+            # the record instead once that is back.
+            await self.wake_run(run_id, None)
         for child in created_ids(w.children):
             await self.wake_run(child, None)
         return run_id, True
@@ -826,6 +831,10 @@ class Engine:
         except StartFailed as exc:
             if isinstance(exc.__cause__, LookupError):
                 raise NotFound(f"run {run_id!r} not found") from exc
+            if isinstance(exc.__cause__, ActorDead):
+                # It needed a sibling that is restarting (the leases supervisor,
+                # for its live leases): the callers' retry loops wait for it.
+                raise ActorDead(path, exc.__cause__) from exc
             raise
 
     def active_runs(self) -> int:
