@@ -614,6 +614,13 @@ class Engine:
             # No live actor: judge from the durable record.
             pair = self.storage.read(store.lease_and_run_txn, lease_id)
             if pair is None:
+                if attempt == 0:
+                    # An offer is written behind: a lease handed out a moment ago
+                    # whose actor is restarting may not be on record yet. Wait for
+                    # the writes before this call, then look again, rather than
+                    # send its worker a 404 that makes it drop the lease.
+                    await self.storage.write(store.barrier_txn)
+                    continue
                 raise NotFound(f"lease {lease_id!r} not found")
             reason = store.durable_reason(pair[0], pair[1], op)
             if reason is not None:

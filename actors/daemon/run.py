@@ -385,13 +385,17 @@ class RunActor(Actor):
             return
         e = self.engine
         records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
+        if len(records) < len(live):
+            # An offer is written behind. Its actor was started with it, but if
+            # the leases supervisor restarted since, nobody else starts one: wait
+            # for the writes before this, so the record can be found.
+            await e.storage.write(store.barrier_txn)
+            records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
         on_record = {r["lease_id"]: r for r in records}
         for lease_id, slot in live:
             raw = on_record.get(lease_id)
             if raw is None:
-                # Offered in this incarnation and still being written behind:
-                # its actor was started with the offer.
-                continue
+                continue  # ended meanwhile, or its offer was lost in a crash (queued on record)
             if not e.lease_actor_alive(lease_id):
                 await e.start_lease_actor(LeaseRecord.from_dict(raw), self.machine.record.workflow,
                                           fresh=False)

@@ -7,6 +7,7 @@ recovery window 5 s: the defaults).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +275,39 @@ async def test_killing_a_lease_actor_does_not_extend_its_lease(engine: Engine, c
         await eventually(lambda: engine.lease_actor_alive(lease["lease_id"]))
         await anyio.sleep(0.02)
     await eventually(lambda: "step_recovered" in journal_types(engine, run_id))
+
+
+async def test_a_lease_offered_just_before_its_supervisor_restarts_is_still_served(engine: Engine) -> None:
+    """A fresh-clone CI run failed a run with lease_lost in the kill test: its leases got 404.
+
+    An offer is written behind. If the leases supervisor restarts before that
+    write commits, the lease's actor is gone and its record not yet there:
+    the worker's calls must wait for the record rather than get a 404 (which
+    makes a worker drop the lease and lets it expire).
+    """
+    wid = await worker(engine, one())
+    run_id, _ = await engine.start_run("one")
+    holding, gate = threading.Event(), threading.Event()
+
+    def held(txn: Any) -> None:  # holds the writer thread: the offer queues behind it
+        holding.set()
+        gate.wait(10)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.storage.write, held)
+        await eventually(holding.is_set, what="the writer held")
+        lease = await claim_one(engine, wid)
+        assert engine.storage.get("leases", lease["lease_id"]) is None  # not on record yet
+        await engine.kill("/leases")
+        answers: list[Any] = []
+
+        async def call() -> None:
+            answers.append(await engine.lease_call(lease["lease_id"], Op.STARTED, {}))
+            answers.append(await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": 7}))
+
+        tg.start_soon(call)
+        await anyio.sleep(0.05)
+        gate.set()
+    assert len(answers) == 2
+    view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
+    assert view["result"] == 7
