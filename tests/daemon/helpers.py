@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-
+import anyio.abc
 from stepd.actors.daemon import Engine
+
 from stepd.engine.lease import Op
 
 Body = Callable[[dict[str, Any]], Any]
@@ -79,3 +82,27 @@ async def finish(engine: Engine, lease: dict[str, Any], output: Any = None,
                  patch: dict[str, Any] | None = None) -> None:
     await engine.lease_call(lease["lease_id"], Op.STARTED, {})
     await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": output, "state_patch": patch})
+
+
+@asynccontextmanager
+async def writer_held(engine: Engine) -> AsyncIterator[anyio.abc.TaskGroup]:
+    """Hold the storage writer thread for the block; yield a task group for work that writes.
+
+    Every write submitted inside the block queues behind the held one and
+    commits once the block is left, which puts a test in the gap between a
+    write being made and it being on record (deferred offers, a run's next
+    transition). The group's tasks are awaited on the way out.
+    """
+    holding, gate = threading.Event(), threading.Event()
+
+    def held(txn: Any) -> None:
+        holding.set()
+        gate.wait(10)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.storage.write, held)
+        await eventually(holding.is_set, what="the writer held")
+        try:
+            yield tg
+        finally:
+            gate.set()

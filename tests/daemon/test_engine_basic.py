@@ -6,11 +6,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Engine
+
 from stepd.engine.errors import Unprocessable
-from stepd.engine.lease import Op
 
 from .helpers import run_worker, seq_definition
 

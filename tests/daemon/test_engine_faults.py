@@ -12,9 +12,9 @@ import random
 from pathlib import Path
 
 import anyio
-
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig
+
 from stepd.engine.errors import Conflict, NotFound, Unavailable
 from stepd.engine.lease import Op
 

@@ -7,20 +7,19 @@ recovery window 5 s: the defaults).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine
+
 from stepd.engine.errors import AlreadyApplied, Fenced, NotFound, NotStarted, RunTerminal
 from stepd.engine.lease import Op
 
-from .helpers import claim_one, eventually, finish
+from .helpers import claim_one, eventually, finish, writer_held
 
 T0 = 1_700_000_000_000
 
@@ -287,15 +286,7 @@ async def test_a_lease_offered_just_before_its_supervisor_restarts_is_still_serv
     """
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
-    holding, gate = threading.Event(), threading.Event()
-
-    def held(txn: Any) -> None:  # holds the writer thread: the offer queues behind it
-        holding.set()
-        gate.wait(10)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(engine.storage.write, held)
-        await eventually(holding.is_set, what="the writer held")
+    async with writer_held(engine) as tg:  # the offer queues behind the held write
         lease = await claim_one(engine, wid)
         assert engine.storage.get("leases", lease["lease_id"]) is None  # not on record yet
         await engine.kill("/leases")
@@ -306,8 +297,7 @@ async def test_a_lease_offered_just_before_its_supervisor_restarts_is_still_serv
             answers.append(await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": 7}))
 
         tg.start_soon(call)
-        await anyio.sleep(0.05)
-        gate.set()
+        await anyio.sleep(0.05)  # the calls wait (the old code answered 404 at once)
     assert len(answers) == 2
     view = await eventually(lambda: (v := engine.status(run_id))["status"] == "completed" and v)
     assert view["result"] == 7

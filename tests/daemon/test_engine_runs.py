@@ -6,21 +6,20 @@ one-hour sleep takes a millisecond.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig, SignalRefused
+from stepd.actors.daemon import Engine, SignalRefused
 from stepd.actors.daemon.messages import Due
 from stepd.actors.daemon.timers import TimerIndexChanged
+
 from stepd.engine.errors import NotFound, RunTerminal
 
-from .helpers import claim_one, eventually, finish, run_actor_alive
+from .helpers import claim_one, eventually, finish, run_actor_alive, writer_held
 
 T0 = 1_700_000_000_000
 
@@ -220,22 +219,13 @@ async def test_a_sweep_between_a_runs_write_and_its_commit_does_not_lose_its_tim
     run_id, _ = await engine.start_run("gated_nap")
     await eventually(lambda: not run_actor_alive(engine, run_id), what="passivated, waiting")
     timers = engine.system.resolve("/timers")
-    holding, gate = threading.Event(), threading.Event()
-
-    def held(txn: Any) -> None:  # holds the writer thread: later writes queue behind it
-        holding.set()
-        gate.wait(10)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(engine.storage.write, held)
-        await eventually(holding.is_set, what="the writer held")
-        before = engine.storage.statistics().commits
+    before = engine.storage.statistics().commits
+    async with writer_held(engine) as tg:
         tg.start_soon(engine.signal, run_id, "go", {})
         await eventually(lambda: engine.storage.statistics().queued >= 1, what="the signal's write queued")
         # The sweep, while the signal's transition is written but not committed.
         timers.tell_nowait(Due())
         await timers.ask(TimerIndexChanged())  # served after the sweep
-        gate.set()
     assert engine.storage.statistics().commits > before
     await eventually(lambda: status(engine, run_id) == "sleeping")
     await eventually(lambda: not run_actor_alive(engine, run_id), what="passivated, sleeping")
