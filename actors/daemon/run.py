@@ -165,10 +165,6 @@ class RunActor(Actor):
             return await self._offer(message)
         if isinstance(message, Due):
             await self._handle(Tick())
-            # A Tick with nothing due (its timer fired a little early, or was
-            # asked for by a sweep) commits nothing and so arms nothing: arm
-            # again, or an actor kept alive by its mailbox would have no timer.
-            self._arm()
             return None
         if isinstance(message, AttemptNote):
             return await self._note(message)
@@ -344,7 +340,11 @@ class RunActor(Actor):
 
     async def _commit(self, tr: Transition, **extra: Any) -> None:
         if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
-            return  # nothing happened (a tick with nothing due, a refused signal)
+            # Nothing happened (a tick with nothing due, a refused signal). Still
+            # arm: the timer that brought a Tick here has fired, and an actor kept
+            # alive by its mailbox must not be left without one.
+            self._arm()
+            return
         w = self._write(tr, **extra)
         await self.engine.storage.write(store.apply_txn, w)
         self._arm()
