@@ -1,7 +1,7 @@
 """What travels through a mailbox besides plain told messages.
 
-A mailbox (`Mailbox`) is a bounded queue with the interface of an anyio memory
-object stream pair (`tx.send`/`send_nowait`, `rx.receive`/`receive_nowait`,
+A mailbox (`Mailbox`) is a bounded queue with the calls of an anyio memory
+object stream pair (`send`/`send_nowait`, `receive`/`receive_nowait`,
 `close`), built on a deque and the backend's own wake-up (`Waiter`): the
 actor loop and every ask pass through it, and anyio's streams cost several
 times more per message. A *tell* puts the message itself in it: no envelope.
@@ -93,14 +93,17 @@ class Ask:
 
 
 class Mailbox:
-    """One incarnation's bounded queue, with memory-stream-like ends `tx` and `rx`.
+    """One incarnation's bounded queue, with the calls of a memory stream's two ends.
 
     Sends beyond `size` wait (`send`) or raise `anyio.WouldBlock`
     (`send_nowait`); after `close()`, sends raise `anyio.ClosedResourceError`
     and receives drain what is left, then raise `anyio.EndOfStream`.
     """
 
-    __slots__ = ("_closed", "_items", "_receiver", "_senders", "rx", "size", "tx")
+    # No separate send/receive end objects: ends holding the box's bound
+    # methods would make every mailbox a reference cycle, left for the cyclic
+    # GC, and an actor per lease attempt makes that garbage by the thousand.
+    __slots__ = ("_closed", "_items", "_receiver", "_senders", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -108,8 +111,6 @@ class Mailbox:
         self._receiver: Waiter | None = None  # the actor loop, parked on an empty box
         self._senders: deque[Waiter] = deque()  # tells parked on a full box
         self._closed = False
-        self.tx = _Tx(self)
-        self.rx = _Rx(self)
 
     def depth(self) -> int:
         """Return how many items wait in the buffer (including a WAKE token)."""
@@ -176,18 +177,3 @@ class Mailbox:
                     if self._receiver is waiter:
                         self._receiver = None
 
-
-class _Tx:
-    __slots__ = ("send", "send_nowait")
-
-    def __init__(self, box: Mailbox) -> None:
-        self.send = box.send
-        self.send_nowait = box.send_nowait
-
-
-class _Rx:
-    __slots__ = ("receive", "receive_nowait")
-
-    def __init__(self, box: Mailbox) -> None:
-        self.receive = box.receive
-        self.receive_nowait = box.receive_nowait

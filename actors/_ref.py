@@ -124,7 +124,7 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         try:
-            await rt.mailbox.tx.send(message)
+            await rt.mailbox.send(message)
         except _SEND_FAILED:
             raise ActorDead(self.path, rt.reason) from None
 
@@ -140,7 +140,7 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         try:
-            rt.mailbox.tx.send_nowait(message)
+            rt.mailbox.send_nowait(message)
         except _SEND_FAILED:
             raise ActorDead(self.path, rt.reason) from None
 
@@ -180,7 +180,7 @@ class ActorRef:
         # No checkpoint when there is room: the caller blocks on the reply
         # right after, which is the ask's checkpoint. That saves an event loop
         # turn per ask.
-        tx = rt.mailbox.tx
+        tx = rt.mailbox
         try:
             try:
                 tx.send_nowait(request)

@@ -289,6 +289,9 @@ class Supervisor(Actor):
         if self._children.get(child.spec.id) is child:
             del self._children[child.spec.id]
         child.cell.retire()
+        runtime = child.runtime
+        if runtime is not None and runtime.done:
+            runtime.release()
 
     async def _start_incarnation(self, child: _Child) -> ActorRef:
         system = self._rt().system
@@ -316,7 +319,11 @@ class Supervisor(Actor):
     async def _run_child(
         self, child: _Child, runtime: Runtime, *, task_status: TaskStatus[ActorRef]
     ) -> None:
-        reason = await runtime.run(task_status=task_status)
+        try:
+            reason = await runtime.run(task_status=task_status)
+        finally:
+            if child.removed and runtime.done:
+                runtime.release()
         if not runtime.expected_exit and child.runtime is runtime and not child.removed:
             rt = self._actor_runtime
             if rt is not None and not rt.closed:
