@@ -74,10 +74,11 @@ def log(message: str) -> None:
 
 
 class Output:
-    def __init__(self, out: Path | None, quick: bool) -> None:
+    def __init__(self, out: Path | None, quick: bool, daemon_args: list[str] = ()) -> None:  # type: ignore[assignment]
         self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []
         self.quick = quick
+        self.daemon_args = list(daemon_args)
         self.file = out.open("w") if out is not None else None
 
     def emit(self, transport: str | None, workload: str, fields: dict[str, Any]) -> None:
@@ -88,6 +89,8 @@ class Output:
         row.update(fields)
         if self.quick:
             row["quick"] = True
+        if self.daemon_args and transport not in (None, "embedded"):
+            row["daemon_args"] = self.daemon_args
         self.add(row)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -110,7 +113,7 @@ async def main_workloads(transport: str, only: set[str], p: dict[str, Any], tmp:
     """A, B+D, C, durability on one daemon + worker (fresh data directory)."""
     data = tmp / f"{transport}-main"
     setup_cm = (_setups.embedded(data) if transport == "embedded"
-                else _setups.network(transport, data, tmp))
+                else _setups.network(transport, data, tmp, daemon_args=p["daemon_args"]))
     async with setup_cm as s:
         log(f"{transport}: warm-up (3 x seq(1), 2 x seq(20))")
         await warm_up(s)
@@ -139,7 +142,8 @@ async def main_workloads(transport: str, only: set[str], p: dict[str, Any], tmp:
 async def timers_workload(transport: str, p: dict[str, Any], tmp: Path, out: Output) -> None:
     data = tmp / f"{transport}-timers"
     setup_cm = (_setups.embedded(data, worker=False) if transport == "embedded"
-                else _setups.network(transport, data, tmp, workers=0, tag="-E"))
+                else _setups.network(transport, data, tmp, workers=0, tag="-E",
+                                     daemon_args=p["daemon_args"]))
     async with setup_cm as s:
         log(f"{transport}: E ({p['e_runs']:,} sleeping runs)")
         fields = await workload_e(s, p["e_runs"], p["e_margin"], p["e_probe"])
@@ -158,7 +162,8 @@ async def leases_workload(transport: str, p: dict[str, Any], tmp: Path, out: Out
     else:
         setup_cm = _setups.network(transport, data, tmp, concurrency=-(-n // f_workers),
                                    workers=f_workers, tag="-F",
-                                   daemon_args=["--lease-ttl-ms", "3000", "--heartbeat-ms", "1000"])
+                                   daemon_args=["--lease-ttl-ms", "3000", "--heartbeat-ms", "1000",
+                                                *p["daemon_args"]])
     async with setup_cm as s:
         log(f"{transport}: F ({n} leases held {p['f_hold']:.0f} s, heartbeat 1 s, TTL 3 s)")
         fields = await workload_f(s, n, p["f_hold"], concurrent=out.quick)
@@ -215,8 +220,8 @@ def interruptible() -> None:
 def child_main(args: argparse.Namespace, only: set[str]) -> None:
     """One section in this (fresh) process: its JSON lines on stdout, exit 1 on failure."""
     interruptible()
-    p = QUICK if args.quick else FULL
-    out = Output(None, args.quick)
+    p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg)
+    out = Output(None, args.quick, args.daemon_arg)
     try:
         anyio.run(run_section, args.child, args.transport, only, p, Path(args.tmp), out,
                   args.f_workers, backend="asyncio", backend_options={"use_uvloop": True})
@@ -243,6 +248,7 @@ def run_child(section: str, transport: str, args: argparse.Namespace, only: set[
            "--only", ",".join(sorted(only)), "--tmp", str(tmp), "--f-workers", str(args.f_workers)]
     if args.quick:
         cmd.append("--quick")
+    cmd += [f"--daemon-arg={a}" for a in args.daemon_arg]
     env = dict(os.environ, **{PIDS_ENV: str(tmp / "pids")})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     failures: list[str] = []
@@ -362,6 +368,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run A-D this many times per transport (taking turns, each on a "
                              "fresh daemon) and report the median of the per-run figures")
+    parser.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for `stepd serve` (repeatable; e.g. "
+                             "--daemon-arg=--gc --daemon-arg=default); recorded in the rows")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (data, daemon and worker logs)")
     args = parser.parse_args()
@@ -380,7 +389,7 @@ def main() -> None:
         child_main(args, only)
         return
     interruptible()
-    out = Output(args.out, args.quick)
+    out = Output(args.out, args.quick, args.daemon_arg)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="stepd-bench-"))
     failures: list[str] = []

@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("Span", "StepContext", "current_context"), "stepd.context"),
     **dict.fromkeys(("Embedded", "embedded"), "stepd.embedded"),
     "Worker": "stepd.worker",
+    "tune_gc": "stepd.gc_policy",
     **dict.fromkeys(("Retry", "Workflow", "body"), "stepd.workflow"),
 }
 
@@ -88,6 +89,7 @@ __all__ = [
     "body",
     "current_context",
     "embedded",
+    "tune_gc",
 ]
 
 
@@ -152,5 +154,6 @@ if TYPE_CHECKING:
     from stepd.client import AsyncClient, AsyncRunHandle, Client, RunHandle
     from stepd.context import Span, StepContext, current_context
     from stepd.embedded import Embedded, embedded
+    from stepd.gc_policy import tune_gc
     from stepd.worker import Worker
     from stepd.workflow import Retry, Workflow, body

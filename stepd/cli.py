@@ -147,6 +147,8 @@ def main() -> None:
          help="close a WebSocket whose peer does not answer a ping within this")
 @_option("log-level", type=click.Choice(["debug", "info", "warning", "error"]),
          default="warning", show_default=True, help="log level (stderr)")
+@_option("gc", type=click.Choice(["tuned", "default"]), default="tuned", show_default=True,
+         help="the garbage collector: tuned for a daemon (docs/serve.md), or CPython's defaults")
 def serve(**options: Any) -> None:
     """Run the daemon: the engine, the HTTP API and the worker WebSocket on one port.
 

@@ -46,7 +46,9 @@ import anyio
 import uvicorn
 
 from stepd.actors.daemon import Engine, EngineConfig
+from stepd.engine.errors import Invalid
 from stepd.engine.pricing import PriceBook
+from stepd.gc_policy import tune_gc
 from stepd.transport.audit import AuditLog
 from stepd.transport.auth import KeyRing, check_bind_address
 from stepd.transport.http import create_app
@@ -79,6 +81,8 @@ class ServeConfig:
         ws_max_in_flight: request frames answered concurrently per WebSocket.
         ws_max_queue: frames queued for sending per WebSocket.
         log_level: the level of stepd's and uvicorn's logs.
+        gc: ``tuned`` (`stepd.gc_policy.tune_gc` at startup) or ``default``
+            (CPython's collector settings, untouched).
     """
 
     data: str
@@ -101,6 +105,7 @@ class ServeConfig:
     ws_max_in_flight: int = 64
     ws_max_queue: int = 256
     log_level: str = "warning"
+    gc: str = "tuned"
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -391,8 +396,12 @@ def run(config: ServeConfig) -> int:
     Raises:
         Invalid, StartupError, storage errors: see `Daemon.run`.
     """
+    if config.gc not in ("tuned", "default"):
+        raise Invalid("must be 'tuned' or 'default'", field="gc")
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     daemon = Daemon(config)
+    if config.gc == "tuned":
+        tune_gc()
     return anyio.run(daemon.run, backend="asyncio", backend_options=_backend_options())
 

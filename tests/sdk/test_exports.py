@@ -17,7 +17,7 @@ EXPECTED = {
     "Client", "AsyncClient", "RunHandle", "AsyncRunHandle",
     "RunStatus", "RunSummary", "RunError", "Usage", "Budget",
     # embedded
-    "embedded", "Embedded",
+    "embedded", "Embedded", "tune_gc",
     # errors
     "StepdError", "Invalid", "NotFound", "Unauthorized", "Forbidden", "Conflict",
     "AlreadyApplied", "Fenced", "RunTerminal", "NotStarted", "BudgetExceeded", "TooLarge",
