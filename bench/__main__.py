@@ -41,6 +41,8 @@ from typing import Any
 
 import anyio
 
+import stepd
+
 from bench import _setups
 from bench._procs import PIDS_ENV, kill_pid
 from bench._table import render
@@ -74,11 +76,13 @@ def log(message: str) -> None:
 
 
 class Output:
-    def __init__(self, out: Path | None, quick: bool, daemon_args: list[str] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, out: Path | None, quick: bool, daemon_args: list[str] = (),  # type: ignore[assignment]
+                 embedded_gc: str = "default") -> None:
         self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []
         self.quick = quick
         self.daemon_args = list(daemon_args)
+        self.embedded_gc = embedded_gc
         self.file = out.open("w") if out is not None else None
 
     def emit(self, transport: str | None, workload: str, fields: dict[str, Any]) -> None:
@@ -91,6 +95,8 @@ class Output:
             row["quick"] = True
         if self.daemon_args and transport not in (None, "embedded"):
             row["daemon_args"] = self.daemon_args
+        if transport == "embedded" and self.embedded_gc != "default":
+            row["gc"] = self.embedded_gc
         self.add(row)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -221,7 +227,9 @@ def child_main(args: argparse.Namespace, only: set[str]) -> None:
     """One section in this (fresh) process: its JSON lines on stdout, exit 1 on failure."""
     interruptible()
     p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg)
-    out = Output(None, args.quick, args.daemon_arg)
+    out = Output(None, args.quick, args.daemon_arg, args.embedded_gc)
+    if args.transport == "embedded" and args.embedded_gc == "tuned":
+        stepd.tune_gc()  # what an embedding application may choose to do (docs/serve.md)
     try:
         anyio.run(run_section, args.child, args.transport, only, p, Path(args.tmp), out,
                   args.f_workers, backend="asyncio", backend_options={"use_uvloop": True})
@@ -249,6 +257,7 @@ def run_child(section: str, transport: str, args: argparse.Namespace, only: set[
     if args.quick:
         cmd.append("--quick")
     cmd += [f"--daemon-arg={a}" for a in args.daemon_arg]
+    cmd += ["--embedded-gc", args.embedded_gc]
     env = dict(os.environ, **{PIDS_ENV: str(tmp / "pids")})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     failures: list[str] = []
@@ -371,6 +380,9 @@ def main() -> None:
     parser.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for `stepd serve` (repeatable; e.g. "
                              "--daemon-arg=--gc --daemon-arg=default); recorded in the rows")
+    parser.add_argument("--embedded-gc", choices=["default", "tuned"], default="default",
+                        help="embedded: leave the process's GC as it is (default, as stepd.embedded "
+                             "does) or call stepd.tune_gc() first; recorded in the rows")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (data, daemon and worker logs)")
     args = parser.parse_args()
@@ -389,7 +401,7 @@ def main() -> None:
         child_main(args, only)
         return
     interruptible()
-    out = Output(args.out, args.quick, args.daemon_arg)
+    out = Output(args.out, args.quick, args.daemon_arg, args.embedded_gc)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="stepd-bench-"))
     failures: list[str] = []
