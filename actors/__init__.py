@@ -31,6 +31,7 @@ from ._errors import (
     SupervisorEscalation,
 )
 from ._intensity import add_restart
+from ._mailbox import Mailbox
 from ._messages import check_message, is_immutable_type, register_immutable
 from ._ref import ActorRef
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
@@ -53,6 +54,7 @@ __all__ = [
     "ChildExists",
     "ChildSpec",
     "Clock",
+    "Mailbox",
     "ManualClock",
     "MutableMessageError",
     "Restart",

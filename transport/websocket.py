@@ -51,14 +51,15 @@ then closes with 1001.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final, TypeGuard
+from typing import Any, Final, TypeGuard, cast
 
 import anyio
 import msgpack  # type: ignore[import-untyped]
-from stepd.actors import Waiter
+from stepd.actors import Mailbox, Waiter
 
 from stepd.engine.errors import Invalid, StepdError, Unavailable
 
@@ -228,6 +229,41 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.close", "code": 1008})
 
 
+class _Slots:
+    """A counting semaphore that takes a free slot without an event loop turn.
+
+    anyio's `Semaphore.acquire` checkpoints even when a slot is free; this one
+    waits (on a `Waiter`, in FIFO order) only when none is. Event loop thread only.
+    """
+
+    __slots__ = ("_free", "_waiting")
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiting: collections.deque[Waiter] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        waiter = Waiter()
+        self._waiting.append(waiter)
+        try:
+            await waiter.wait()
+        except BaseException:
+            if waiter.is_set():
+                self.release()  # handed a slot this caller will not use
+            else:
+                self._waiting.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        if self._waiting:
+            self._waiting.popleft().set()  # the slot passes straight to the next in line
+        else:
+            self._free += 1
+
+
 class WorkerConnection:
     """One worker WebSocket, from accept to close.
 
@@ -247,8 +283,11 @@ class WorkerConnection:
         self._binary = subprotocol == MSGPACK_SUBPROTOCOL
         self._receive = receive
         self._send = send
-        self._out, self._out_recv = anyio.create_memory_object_stream[Any](sockets.max_queue)
-        self._limit = anyio.Semaphore(sockets.max_in_flight)
+        # Outgoing frames, for the one writer task. A Mailbox, not an anyio
+        # memory stream: a send or receive with room (or an item) costs no
+        # event loop turn, and a step passes three frames through here.
+        self._out = Mailbox(sockets.max_queue)
+        self._limit = _Slots(sockets.max_in_flight)
         self._lease_tail: dict[str, Waiter] = {}  # the last frame in flight, per lease
         self._session: Any = None
         self._read_scope = anyio.CancelScope()
@@ -287,8 +326,7 @@ class WorkerConnection:
             if self._peer_gone:
                 tg.cancel_scope.cancel()
             else:
-                with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    await self._out.send(self._close)
+                await self._push(self._close)
 
     def close_for_shutdown(self) -> None:
         """Stop reading and pushing; close with 1001 once the frames in flight are answered."""
@@ -459,15 +497,19 @@ class WorkerConnection:
 
     # -- writing --------------------------------------------------------------------------
 
-    async def _push(self, frame: dict[str, Any]) -> bool:
+    async def _push(self, frame: dict[str, Any] | _Close) -> bool:
         """Queue a frame for the writer (waits for room in the bounded queue).
 
         Returns False when the connection is ending and the frame was not queued.
         """
+        out = self._out
         try:
-            await self._out.send(frame)
+            try:
+                out.send_nowait(frame)
+            except anyio.WouldBlock:
+                await out.send(frame)
             return True
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        except anyio.ClosedResourceError:
             return False  # the connection is ending: nobody is listening
 
     def push_nowait(self, frame: dict[str, Any]) -> None:
@@ -477,7 +519,7 @@ class WorkerConnection:
         except anyio.WouldBlock:
             log.warning("worker %s is not reading its WebSocket: dropped %s", self.worker_id,
                         frame.get("op"))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        except anyio.ClosedResourceError:
             pass
 
     def _encode(self, frame: dict[str, Any]) -> Message:
@@ -486,15 +528,24 @@ class WorkerConnection:
         return {"type": "websocket.send", "text": encode_json(frame).decode("utf-8")}
 
     async def _write_loop(self) -> None:
-        async with self._out_recv:
-            async for item in self._out_recv:
+        out = self._out
+        try:
+            while True:
+                try:
+                    item = out.receive_nowait()
+                except anyio.WouldBlock:
+                    item = await out.receive()
                 try:
                     if isinstance(item, _Close):
                         await self._send({"type": "websocket.close", "code": item.code,
                                           "reason": item.reason})
                         return
-                    await self._send(self._encode(item))
+                    await self._send(self._encode(cast("dict[str, Any]", item)))
                 except OSError:  # uvicorn's ClientDisconnected: the peer is gone
                     self._gone()
                     return
+        except anyio.EndOfStream:
+            return
+        finally:
+            out.close()  # nobody writes any more: later pushes are refused, not lost unseen
 

@@ -23,7 +23,7 @@ transports (HTTP, WebSocket, in-process) are thin adapters over them.
 
 from __future__ import annotations
 
-import math
+import collections
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from stepd.actors import (
     Supervisor,
     SystemClock,
 )
+from stepd.actors import Waiter as LoopWaiter
 from stepd.engine.definition import Definition, parse_definition
 from stepd.engine.errors import (
     Fenced,
@@ -901,12 +902,21 @@ class PushSession:
         self.engine = engine
         self.worker_id = worker_id
         self.name = name
-        self._send, self._recv = anyio.create_memory_object_stream[AttemptSpec](math.inf)
+        # Slots the registry hands over, for `leases()`: a deque and one
+        # wake-up, not an anyio memory stream (whose every receive costs an
+        # event loop turn, once per step).
+        self._slots: collections.deque[AttemptSpec] = collections.deque()
+        self._wake: LoopWaiter | None = None
         self.waiter = Waiter(worker_id, 0, None, deliver=self._deliver)
         self.closed = False
 
     def _deliver(self, spec: AttemptSpec) -> None:
-        self._send.send_nowait(spec)
+        if self.closed:
+            raise anyio.ClosedResourceError
+        self._slots.append(spec)
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()
 
     async def add_credit(self, n: int) -> None:
         """Grant `n` more leases (the WebSocket `credit` frame).
@@ -926,9 +936,25 @@ class PushSession:
         if not self.closed and self.waiter.credit > 0:
             self.engine._tell_registry(Claim(self.worker_id, self.waiter.credit, None, self.waiter))
 
+    async def _next_slot(self) -> AttemptSpec | None:
+        """The next slot handed over, waiting for one; None once closed."""
+        while not self._slots:
+            if self.closed:
+                return None
+            wake = self._wake = LoopWaiter()
+            try:
+                await wake.wait()
+            finally:
+                if self._wake is wake:
+                    self._wake = None
+        return self._slots.popleft()
+
     async def leases(self) -> AsyncGenerator[dict[str, Any], None]:
         """Yield leases as they are offered to this worker, until `close()`."""
-        async for spec in self._recv:
+        while True:
+            spec = await self._next_slot()
+            if spec is None:
+                return
             lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),
                                               quiet=True)
             if lease is None:
@@ -945,14 +971,11 @@ class PushSession:
         self.waiter.credit = 0
         self.engine._tell_registry(CancelWait(self.waiter))
         self.engine._sessions.discard(self)
-        leftover = []
-        while True:
-            try:
-                leftover.append(self._recv.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-        self._send.close()
-        self._recv.close()
+        leftover = list(self._slots)
+        self._slots.clear()
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.set()  # leases() ends
         if leftover:
             self.engine.announce(tuple(leftover), front=True)
 

@@ -38,6 +38,7 @@ EXPECTED_EXPORTS = {
     "ActorDead",
     "ActorError",
     "ActorKilled",
+    "Mailbox",
     "ActorNotFound",
     "ActorRef",
     "ActorStatistics",
