@@ -34,6 +34,7 @@ from typing import Any, Final, Protocol
 
 from stepd.storage import ReadTxn, WriteTxn, parse_u64be, u64be
 
+from stepd.engine.enums import IdentityEnum
 from stepd.engine.errors import Invalid
 
 __all__ = [
@@ -56,7 +57,7 @@ _KEY_LEN: Final = 16
 _MAX_PROBES: Final = 1 << 16
 
 
-class AuditAction(enum.Enum):
+class AuditAction(IdentityEnum):
     """What was done (the ``action`` of an entry). One per audited endpoint."""
 
     RUNS_READ = "runs.read"

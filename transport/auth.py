@@ -38,7 +38,6 @@ serves without auth, only on a loopback address: `check_bind_address`.
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import hmac
@@ -47,6 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
+from stepd.engine.enums import IdentityEnum
 from stepd.engine.errors import Invalid, StepdError
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 
-class Scope(enum.Enum):
+class Scope(IdentityEnum):
     """A scope keys are configured under (PROTOCOL.md "Authentication and scopes")."""
 
     ADMIN = "admin"
@@ -73,7 +73,7 @@ class Scope(enum.Enum):
     READ = "read"
 
 
-class Need(enum.Enum):
+class Need(IdentityEnum):
     """What a call group requires.
 
     ``WORKER``: the worker calls (register, claim, started/heartbeat/complete/fail,

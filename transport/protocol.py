@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -54,6 +53,7 @@ from stepd.actors.daemon import store as _store
 from stepd.actors.daemon.messages import InTxn
 from stepd.storage import StorageClosed, WriteTxn
 
+from stepd.engine.enums import IdentityEnum
 from stepd.engine.errors import (
     Conflict,
     Invalid,
@@ -239,7 +239,7 @@ def error_reply(exc: BaseException) -> Reply:
 # --------------------------------------------------------------------------- operations
 
 
-class Operation(enum.Enum):
+class Operation(IdentityEnum):
     """Every call of PROTOCOL.md, whatever carries it."""
 
     REGISTER = "register"
@@ -363,8 +363,10 @@ class Protocol:
         self.max_body_bytes = max_body_bytes
         self.draining = False
         self._inflight = 0
-        self._idle = anyio.Event()
-        self._idle.set()
+        # Made only by wait_quiet (shutdown) while calls are in flight: an
+        # Event per call going from idle to busy cost more than the call's
+        # bookkeeping.
+        self._idle: anyio.Event | None = None
         self._polls: set[anyio.CancelScope] = set()
         self._calls: set[anyio.CancelScope] = set()
         self._aborted = False
@@ -676,8 +678,6 @@ class Protocol:
         period is over it cancels them (`abort`): the transport then answers
         503 if it still can (a write already submitted still commits).
         """
-        if self._inflight == 0:
-            self._idle = anyio.Event()
         self._inflight += 1
         scope = anyio.CancelScope()
         if self._aborted:
@@ -689,8 +689,9 @@ class Protocol:
         finally:
             self._calls.discard(scope)
             self._inflight -= 1
-            if self._inflight == 0:
+            if self._inflight == 0 and self._idle is not None:
                 self._idle.set()
+                self._idle = None
 
     @property
     def inflight(self) -> int:
@@ -736,7 +737,10 @@ class Protocol:
     async def wait_quiet(self) -> None:
         """Wait until no call is in flight and every WebSocket has closed."""
         while True:
-            await self._idle.wait()
+            if self._inflight:
+                if self._idle is None:
+                    self._idle = anyio.Event()
+                await self._idle.wait()
             if not self._connections:
                 return
             await anyio.sleep(0.005)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeVar
 
 from stepd.engine.canonical import filled_definition_hash
+from stepd.engine.enums import IdentityEnum
 from stepd.engine.errors import Invalid, field_path
 from stepd.engine.templates import iter_templates, parse_template
 
@@ -62,7 +63,7 @@ the definition had been accepted.
 _STEP_ID = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
-class StepKind(enum.Enum):
+class StepKind(IdentityEnum):
     """What a step does (WORKFLOWS.md "Step kinds")."""
 
     TASK = "task"
@@ -72,7 +73,7 @@ class StepKind(enum.Enum):
     START_WORKFLOWS = "start_workflows"
 
 
-class Delivery(enum.Enum):
+class Delivery(IdentityEnum):
     """Whether a body may run again after a lost lease.
 
     ``at_most_once``: the daemon persists ``started`` before answering it and never

@@ -29,14 +29,14 @@ Two pieces live here:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .enums import IdentityEnum
 from .errors import IllegalTransition
 
 
-class LeaseStatus(enum.Enum):
+class LeaseStatus(IdentityEnum):
     OFFERED = "offered"
     STARTED = "started"
     ORPHANED = "orphaned"  # in memory only
@@ -53,7 +53,7 @@ class LeaseStatus(enum.Enum):
 _LIVE = frozenset({LeaseStatus.OFFERED, LeaseStatus.STARTED, LeaseStatus.ORPHANED})
 
 
-class Op(enum.Enum):
+class Op(IdentityEnum):
     STARTED = "started"
     HEARTBEAT = "heartbeat"
     COMPLETE = "complete"

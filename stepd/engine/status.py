@@ -7,10 +7,10 @@ read back from LMDB and the wire form agree by construction.
 
 from __future__ import annotations
 
-import enum
+from .enums import IdentityEnum
 
 
-class RunStatus(enum.Enum):
+class RunStatus(IdentityEnum):
     RUNNING = "running"
     WAITING = "waiting"
     SLEEPING = "sleeping"
@@ -30,7 +30,7 @@ _TERMINAL = frozenset(
 TERMINAL_STATUSES = _TERMINAL
 
 
-class ErrorReason(enum.Enum):
+class ErrorReason(IdentityEnum):
     """`error.reason` of a run that did not complete (WORKFLOWS.md "Run status")."""
 
     BUDGET_EXCEEDED = "budget_exceeded"
@@ -42,7 +42,7 @@ class ErrorReason(enum.Enum):
     DEADLINE = "deadline"
 
 
-class SlotPhase(enum.Enum):
+class SlotPhase(IdentityEnum):
     """Where one attempt slot (a task step, or one item of a for_each) stands.
 
     `queued`: runnable, waiting to be offered to a worker. `offered`: a lease
