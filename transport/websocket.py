@@ -293,6 +293,15 @@ class WorkerConnection:
         self._read_scope = anyio.CancelScope()
         self._scope = anyio.CancelScope()
         self._handlers: anyio.abc.TaskGroup | None = None
+        # Lease frames are answered by a pool of handler tasks that park when
+        # idle (at most max_in_flight of them, started as load needs them),
+        # not by a task each: an anyio task spawn (a task, a cancel scope, an
+        # event) per frame was two per step. `_limit` still bounds the frames
+        # in flight; the pool ends once reading has (`_close_pool`).
+        self._calls: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._parked: list[Waiter] = []
+        self._pool_size = 0
+        self._pool_closing = False
         self._peer_gone = False
         self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._max_bytes = self.protocol.max_body_bytes + 4096  # the frame's envelope
@@ -323,6 +332,7 @@ class WorkerConnection:
                     handlers.cancel_scope.cancel()
                 else:
                     self._end_session()  # the pusher ends; in-flight answers go out
+                    self._close_pool()
             if self._peer_gone:
                 tg.cancel_scope.cancel()
             else:
@@ -414,7 +424,43 @@ class WorkerConnection:
         done = Waiter()
         if isinstance(lease_id, str):
             self._lease_tail[lease_id] = done
-        self._handlers.start_soon(self._lease_call, frame_id, _LEASE_OPS[op], frame, before, done)
+        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done))
+        if self._parked:
+            self._parked.pop().set()
+        else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
+            self._pool_size += 1
+            self._handlers.start_soon(self._handler_loop)
+
+    async def _handler_loop(self) -> None:
+        """One handler of the pool: answer queued lease frames; park when there are none.
+
+        A frame waits only for frames of its lease queued before it, which
+        other handlers took first (FIFO), so the pool cannot deadlock.
+        """
+        calls = self._calls
+        try:
+            while True:
+                if calls:
+                    await self._lease_call(*calls.popleft())
+                    continue
+                if self._pool_closing:
+                    return
+                waiter = Waiter()
+                self._parked.append(waiter)
+                try:
+                    await waiter.wait()
+                finally:
+                    if not waiter.is_set():
+                        self._parked.remove(waiter)
+        finally:
+            self._pool_size -= 1
+
+    def _close_pool(self) -> None:
+        """Reading is over: handlers finish the queued frames, then end."""
+        self._pool_closing = True
+        parked, self._parked = self._parked, []
+        for waiter in parked:
+            waiter.set()
 
     # -- requests ---------------------------------------------------------------------
 

@@ -865,7 +865,13 @@ class Engine:
                 ref = await self._activate(run_id, None, expect_message=message is not None)
                 if message is None:
                     return
-                await ref.tell(message)
+                # No event loop turn when there is room (`tell` takes one on
+                # every call): the callers are lease actors and other runs,
+                # never the run itself, so no actor loop can spin on this.
+                try:
+                    ref.tell_nowait(message)
+                except anyio.WouldBlock:
+                    await ref.tell(message)
                 return
             except ActorDead:  # the run actor, or the runs supervisor, is restarting
                 await anyio.sleep(0.001 * attempt)
