@@ -31,7 +31,9 @@ Per connection (all its tasks in one task group, STYLE.md rule 7):
   that follows a register always finds the session); worker calls on leases run
   concurrently, at most ``max_in_flight`` at once (a slow ``complete`` does not
   hold up the heartbeats of other leases; past the limit the reader stops
-  reading, and TCP pushes back on the worker);
+  reading, and TCP pushes back on the worker), answered by a pool of handler
+  tasks that park when idle (started as load needs them, never more than
+  ``max_in_flight``), in arrival order per lease;
 * a pusher: `stepd.actors.daemon.engine.PushSession` hands it a lease per
   credit the moment work appears;
 * a writer: the one task that sends, fed by a bounded queue (``max_queue``
