@@ -104,7 +104,7 @@ class Runtime:
         self.actor = actor
         self.cell = cell
         self.system = system
-        self.mailbox = Mailbox(size)
+        self.mailbox: Mailbox[object] = Mailbox(size)
         self.sysq: deque[object] = deque()
         self.timers: dict[Hashable, TimerEntry] = {}
         # Cancelled to kill the incarnation (or shut it down brutally); the

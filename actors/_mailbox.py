@@ -18,7 +18,7 @@ served before the mailbox.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 from collections import deque
 
@@ -92,7 +92,10 @@ class Ask:
         return self._value
 
 
-class Mailbox:
+T = TypeVar("T")
+
+
+class Mailbox(Generic[T]):
     """One incarnation's bounded queue, with the calls of a memory stream's two ends.
 
     Sends beyond `size` wait (`send`) or raise `anyio.WouldBlock`
@@ -107,7 +110,7 @@ class Mailbox:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: deque[object] = deque()
+        self._items: deque[T] = deque()
         self._receiver: Waiter | None = None  # the actor loop, parked on an empty box
         self._senders: deque[Waiter] = deque()  # tells parked on a full box
         self._closed = False
@@ -126,7 +129,7 @@ class Mailbox:
 
     # -- the two ends -----------------------------------------------------
 
-    def send_nowait(self, item: object) -> None:
+    def send_nowait(self, item: T) -> None:
         if self._closed:
             raise anyio.ClosedResourceError
         if len(self._items) >= self.size:
@@ -137,7 +140,7 @@ class Mailbox:
             self._receiver = None
             receiver.set()
 
-    async def send(self, item: object) -> None:
+    async def send(self, item: T) -> None:
         await anyio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
@@ -154,7 +157,7 @@ class Mailbox:
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return
 
-    def receive_nowait(self) -> object:
+    def receive_nowait(self) -> T:
         items = self._items
         if items:
             item = items.popleft()
@@ -165,7 +168,7 @@ class Mailbox:
             raise anyio.EndOfStream
         raise anyio.WouldBlock
 
-    async def receive(self) -> object:
+    async def receive(self) -> T:
         while True:
             try:
                 return self.receive_nowait()

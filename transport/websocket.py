@@ -57,7 +57,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final, TypeGuard, cast
+from typing import Any, Final, TypeGuard
 
 import anyio
 import msgpack  # type: ignore[import-untyped]
@@ -288,7 +288,7 @@ class WorkerConnection:
         # Outgoing frames, for the one writer task. A Mailbox, not an anyio
         # memory stream: a send or receive with room (or an item) costs no
         # event loop turn, and a step passes three frames through here.
-        self._out = Mailbox(sockets.max_queue)
+        self._out: Mailbox[dict[str, Any] | _Close] = Mailbox(sockets.max_queue)
         self._limit = _Slots(sockets.max_in_flight)
         self._lease_tail: dict[str, Waiter] = {}  # the last frame in flight, per lease
         self._session: Any = None
@@ -588,7 +588,7 @@ class WorkerConnection:
                         await self._send({"type": "websocket.close", "code": item.code,
                                           "reason": item.reason})
                         return
-                    await self._send(self._encode(cast("dict[str, Any]", item)))
+                    await self._send(self._encode(item))
                 except OSError:  # uvicorn's ClientDisconnected: the peer is gone
                     self._gone()
                     return

@@ -23,7 +23,7 @@ transports (HTTP, WebSocket, in-process) are thin adapters over them.
 
 from __future__ import annotations
 
-import collections
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ from stepd.actors import (
     Supervisor,
     SystemClock,
 )
-from stepd.actors import Waiter as LoopWaiter
+from stepd.actors import Mailbox
 from stepd.engine.definition import Definition, parse_definition
 from stepd.engine.errors import (
     Fenced,
@@ -908,21 +908,15 @@ class PushSession:
         self.engine = engine
         self.worker_id = worker_id
         self.name = name
-        # Slots the registry hands over, for `leases()`: a deque and one
-        # wake-up, not an anyio memory stream (whose every receive costs an
-        # event loop turn, once per step).
-        self._slots: collections.deque[AttemptSpec] = collections.deque()
-        self._wake: LoopWaiter | None = None
+        # Slots the registry hands over, for `leases()`: a Mailbox, not an
+        # anyio memory stream (whose every receive costs an event loop turn,
+        # once per step). Unbounded in effect: the credit bounds it.
+        self._slots: Mailbox[AttemptSpec] = Mailbox(sys.maxsize)
         self.waiter = Waiter(worker_id, 0, None, deliver=self._deliver)
         self.closed = False
 
     def _deliver(self, spec: AttemptSpec) -> None:
-        if self.closed:
-            raise anyio.ClosedResourceError
-        self._slots.append(spec)
-        wake, self._wake = self._wake, None
-        if wake is not None:
-            wake.set()
+        self._slots.send_nowait(spec)
 
     async def add_credit(self, n: int) -> None:
         """Grant `n` more leases (the WebSocket `credit` frame).
@@ -942,24 +936,16 @@ class PushSession:
         if not self.closed and self.waiter.credit > 0:
             self.engine._tell_registry(Claim(self.worker_id, self.waiter.credit, None, self.waiter))
 
-    async def _next_slot(self) -> AttemptSpec | None:
-        """The next slot handed over, waiting for one; None once closed."""
-        while not self._slots:
-            if self.closed:
-                return None
-            wake = self._wake = LoopWaiter()
-            try:
-                await wake.wait()
-            finally:
-                if self._wake is wake:
-                    self._wake = None
-        return self._slots.popleft()
-
     async def leases(self) -> AsyncGenerator[dict[str, Any], None]:
         """Yield leases as they are offered to this worker, until `close()`."""
+        slots = self._slots
         while True:
-            spec = await self._next_slot()
-            if spec is None:
+            try:
+                try:
+                    spec = slots.receive_nowait()
+                except anyio.WouldBlock:
+                    spec = await slots.receive()
+            except anyio.EndOfStream:
                 return
             lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),
                                               quiet=True)
@@ -977,11 +963,13 @@ class PushSession:
         self.waiter.credit = 0
         self.engine._tell_registry(CancelWait(self.waiter))
         self.engine._sessions.discard(self)
-        leftover = list(self._slots)
-        self._slots.clear()
-        wake, self._wake = self._wake, None
-        if wake is not None:
-            wake.set()  # leases() ends
+        leftover: list[AttemptSpec] = []
+        while True:
+            try:
+                leftover.append(self._slots.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        self._slots.close()  # leases() ends
         if leftover:
             self.engine.announce(tuple(leftover), front=True)
 
