@@ -688,10 +688,27 @@ class Protocol:
                 yield scope
         finally:
             self._calls.discard(scope)
-            self._inflight -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
-                self._idle = None
+            self._call_done()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """`tracking` without a cancel scope of its own: counted, not cancelled by `abort`.
+
+        For calls that `abort` reaches another way: a WebSocket frame's call
+        runs in its connection's task group, which `abort` cancels as a whole
+        (`WorkerConnection.abort`). That spares two cancel scopes per step.
+        """
+        self._inflight += 1
+        try:
+            yield
+        finally:
+            self._call_done()
+
+    def _call_done(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     @property
     def inflight(self) -> int:

@@ -498,7 +498,7 @@ class WorkerConnection:
         try:
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
-            with self.protocol.tracking():
+            with self.protocol.counting():  # abort() cancels the whole connection
                 lease_id = frame.get("lease_id")
                 if not isinstance(lease_id, str):
                     reply = error_reply(Invalid("must be the lease id (a string)",
