@@ -254,12 +254,12 @@ class Runtime:
         if current is not None:
             self.current = None
             current.set_error(ActorDead(path, reason))
-        rx = self.mailbox
+        box = self.mailbox
         while True:
             # receive_nowait also admits blocked senders one by one, so asks
             # that were waiting for room fail here too.
             try:
-                item = rx.receive_nowait()
+                item = box.receive_nowait()
             except _RECEIVE_DONE:
                 break
             if type(item) is Ask:
@@ -297,9 +297,9 @@ class Runtime:
         """
         actor = self.actor
         receive = actor.receive
-        rx = self.mailbox
-        rx_receive = rx.receive
-        rx_receive_nowait = rx.receive_nowait
+        box = self.mailbox
+        rx_receive = box.receive
+        rx_receive_nowait = box.receive_nowait
         sysq = self.sysq
         reply_errors = actor.reply_errors
         while True:

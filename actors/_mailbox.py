@@ -157,6 +157,18 @@ class Mailbox(Generic[T]):
             await anyio.lowlevel.cancel_shielded_checkpoint()
             return
 
+    async def put(self, item: T) -> None:
+        """`send_nowait` when there is room, else wait for room like `send`.
+
+        No checkpoint when there is room (`send` always takes one): for a
+        caller that waits right after anyway (an ask blocks on its reply) or
+        that is never the receiver itself (a transport's writer queue).
+        """
+        try:
+            self.send_nowait(item)
+        except anyio.WouldBlock:
+            await self.send(item)
+
     def receive_nowait(self) -> T:
         items = self._items
         if items:

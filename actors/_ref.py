@@ -179,13 +179,13 @@ class ActorRef:
     async def _send_ask(self, rt: Runtime, request: Ask) -> None:
         # No checkpoint when there is room: the caller blocks on the reply
         # right after, which is the ask's checkpoint. That saves an event loop
-        # turn per ask.
-        tx = rt.mailbox
+        # turn per ask. (`Mailbox.put`, inlined: one coroutine less per ask.)
+        box = rt.mailbox
         try:
             try:
-                tx.send_nowait(request)
+                box.send_nowait(request)
             except anyio.WouldBlock:
-                await tx.send(request)
+                await box.send(request)
         except _SEND_FAILED:
             raise ActorDead(self.path, rt.reason) from None
 

@@ -36,13 +36,13 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 import stepd
-
 from bench import _setups
 from bench._procs import PIDS_ENV, kill_pid
 from bench._table import render
@@ -76,7 +76,7 @@ def log(message: str) -> None:
 
 
 class Output:
-    def __init__(self, out: Path | None, quick: bool, daemon_args: list[str] = (),  # type: ignore[assignment]
+    def __init__(self, out: Path | None, quick: bool, daemon_args: Sequence[str] = (),
                  embedded_gc: str = "default") -> None:
         self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []

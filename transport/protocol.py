@@ -50,7 +50,7 @@ import anyio
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.actors.daemon import Engine, SignalRefused
 from stepd.actors.daemon import store as _store
-from stepd.actors.daemon.messages import InTxn
+from stepd.actors.daemon.store import InTxn
 from stepd.storage import StorageClosed, WriteTxn
 
 from stepd.engine.enums import IdentityEnum

@@ -550,12 +550,8 @@ class WorkerConnection:
 
         Returns False when the connection is ending and the frame was not queued.
         """
-        out = self._out
         try:
-            try:
-                out.send_nowait(frame)
-            except anyio.WouldBlock:
-                await out.send(frame)
+            await self._out.put(frame)
             return True
         except anyio.ClosedResourceError:
             return False  # the connection is ending: nobody is listening
@@ -579,10 +575,7 @@ class WorkerConnection:
         out = self._out
         try:
             while True:
-                try:
-                    item = out.receive_nowait()
-                except anyio.WouldBlock:
-                    item = await out.receive()
+                item = await out.receive()  # no loop turn when a frame is there
                 try:
                     if isinstance(item, _Close):
                         await self._send({"type": "websocket.close", "code": item.code,

@@ -38,13 +38,13 @@ from stepd.actors import (
     ChildExists,
     ChildSpec,
     Clock,
+    Mailbox,
     Restart,
     StartFailed,
     Strategy,
     Supervisor,
     SystemClock,
 )
-from stepd.actors import Mailbox
 from stepd.engine.definition import Definition, parse_definition
 from stepd.engine.errors import (
     Fenced,
@@ -69,7 +69,6 @@ from .messages import (
     CancelWait,
     Claim,
     EndLease,
-    InTxn,
     LeaseCall,
     ReleaseLease,
     Offer,
@@ -311,7 +310,7 @@ class Engine:
         correlation: Any = None,
         idempotency_key: str | None = None,
         deadline_ms: int | None = None,
-        in_txn: InTxn | None = None,
+        in_txn: store.InTxn | None = None,
     ) -> tuple[str, bool]:
         """Start a run, or return the run an idempotency key already started.
 
@@ -496,7 +495,7 @@ class Engine:
         return self.status(run_id)
 
     async def signal(self, run_id: str, name: str, payload: Any = None, *,
-                     in_txn: InTxn | None = None) -> None:
+                     in_txn: store.InTxn | None = None) -> None:
         """Send a signal. Raises SignalRefused (409 budget_exceeded), RunTerminal, NotFound, Invalid.
 
         `in_txn(txn, run_id, False)` is written in the signal's transaction (see
@@ -508,7 +507,7 @@ class Engine:
         await self.ask_run(run_id, Signal(name, payload, in_txn))
 
     async def cancel(self, run_id: str, message: str = "cancelled", *,
-                     in_txn: InTxn | None = None) -> None:
+                     in_txn: store.InTxn | None = None) -> None:
         """Cancel a run. Raises RunTerminal (already over), NotFound.
 
         `in_txn(txn, run_id, False)` is written in the cancel's transaction.
@@ -941,10 +940,7 @@ class PushSession:
         slots = self._slots
         while True:
             try:
-                try:
-                    spec = slots.receive_nowait()
-                except anyio.WouldBlock:
-                    spec = await slots.receive()
+                spec = await slots.receive()  # no loop turn when a slot is there
             except anyio.EndOfStream:
                 return
             lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),

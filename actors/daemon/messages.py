@@ -14,16 +14,13 @@ Who sends what:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 from stepd.engine.events import AttemptSpec
 from stepd.engine.lease import Op
-from stepd.storage import WriteTxn
 
-InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
-"""Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
+from .store import InTxn
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, NotStarted, RunTerminal
 from stepd.engine.lease import LeaseRecord, Op, reject_reason
 from stepd.engine.record import slot_key
 from stepd.engine.status import TERMINAL_STATUSES, RunStatus
 from stepd.storage import ReadTxn, WriteTxn, journal_key, timer_key
+
+InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
+"""Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
 
 RUNS = "runs"
 JOURNAL = "journal"
@@ -94,7 +97,7 @@ class RunWrite:
     # called in the same transaction with (txn, run id, created): the audit entry of
     # the start, signal or cancel this write applies; for a start whose `dispatch_key`
     # was taken, with the existing run's id and created=False
-    also: Callable[[WriteTxn, str, bool], None] | None = None
+    also: InTxn | None = None
 
 
 def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
