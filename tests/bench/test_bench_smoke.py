@@ -67,3 +67,20 @@ def test_median_of_repeats_takes_numbers_and_dicts_of_numbers() -> None:
     assert m["workflows"] == 1000 and m["note"] == "x" and m["repeats"] == 3
     assert m["per_repeat"]["steps_per_s"] == [900.0, 1100.0, 1000.0]
     assert "repeat" not in m and "engine" not in m
+
+
+def test_floor_quick_measures_the_bare_stack_and_stepd_side_by_side() -> None:
+    """``python -m bench.floor --quick``: the bare server answers real frames and
+    requests (it checks its results), then stepd's B runs; every figure is there."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.floor", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r.get("round") for r in rows[:-1]] == [0]
+    medians = rows[-1]["medians"]
+    for key in ("ws_steps_per_s", "http_workflows_per_s", "commit_ms_plain", "commit_ms_handed",
+                "stepd_steps_per_s", "stepd_daemon_cpu_us_per_step"):
+        assert medians[key] > 0, key
+    assert "x the floor" in proc.stdout
