@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from bench._procs import Child, cpu_seconds
-from bench._workloads import warm_up, workload_b
 from bench._setups import network
+from bench._workloads import warm_up, workload_b
 
 SUBPROTOCOL = "stepd.v1.msgpack"
 IN_FLIGHT = 128
@@ -147,9 +147,10 @@ def serve() -> None:
 async def ws_floor(url: str, steps: int) -> float:
     """Seconds for `steps` steps at IN_FLIGHT leases in flight over one WebSocket."""
     from websockets.asyncio.client import connect
+    from websockets.typing import Subprotocol
 
     packb, unpackb = msgpack.packb, msgpack.unpackb
-    async with connect(url.replace("http", "ws") + "/ws", subprotocols=[SUBPROTOCOL],
+    async with connect(url.replace("http", "ws") + "/ws", subprotocols=[Subprotocol(SUBPROTOCOL)],
                        max_size=None, compression=None) as ws:
         await ws.send(packb({"op": "credit", "n": IN_FLIGHT}))
         done = 0
