@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import queue
 import socket
 import statistics
 import sys
@@ -51,6 +52,7 @@ import msgpack  # type: ignore[import-untyped]  # no stubs published
 from bench._procs import Child, cpu_seconds
 from bench._setups import network
 from bench._workloads import warm_up, workload_b
+from bench.engine import synced_commit_baseline
 
 SUBPROTOCOL = "stepd.v1.msgpack"
 IN_FLIGHT = 128
@@ -196,62 +198,44 @@ async def http_floor(url: str, workflows: int) -> float:
         await client.aclose()
 
 
-def commit_floor(path: Path, steps: int) -> tuple[float, float]:
-    """Median ms of a synced commit: in a plain loop, and handed to a thread from the loop."""
-    env = lmdb.open(str(path), map_size=1 << 28, max_dbs=2, sync=True)
-    db = env.open_db(b"runs")
-    record = msgpack.packb({"run_id": "r" * 26, "status": "running", "step": 7, "pad": b"Z" * 140})
-
-    def commit(i: int) -> None:
-        with env.begin(write=True, db=db) as txn:
-            txn.put(i.to_bytes(8, "big"), record)
-
-    plain = []
-    for i in range(steps):
-        t = time.perf_counter()
-        commit(i)
-        plain.append(time.perf_counter() - t)
+def commit_floor(tmp: Path, tag: str, steps: int) -> tuple[float, float]:
+    """Median ms of a synced commit: in a plain loop (`python -m bench`'s own baseline),
+    and handed to a writer thread and awaited from the event loop."""
+    plain = synced_commit_baseline(tmp / f"commit-plain-{tag}", steps)
+    env = lmdb.open(str(tmp / f"commit-handed-{tag}"), map_size=64 << 20, sync=True)
+    value = b"x" * 200  # as the baseline's
 
     # The writer thread and the loop hand each other one commit at a time, as a
     # sequential step does: a request in, the loop woken by call_soon_threadsafe.
     async def handed() -> list[float]:
         loop = asyncio.get_running_loop()
-        inbox: list[tuple[int, asyncio.Future[None]]] = []
-        ready = threading.Condition()
+        inbox: queue.SimpleQueue[tuple[int, asyncio.Future[None]] | None] = queue.SimpleQueue()
 
         def writer() -> None:
-            while True:
-                with ready:
-                    while not inbox:
-                        ready.wait()
-                    i, fut = inbox.pop()
-                if i < 0:
-                    return
-                commit(i)
+            while (item := inbox.get()) is not None:
+                i, fut = item
+                with env.begin(write=True) as txn:
+                    txn.put(i.to_bytes(8, "big"), value)
                 loop.call_soon_threadsafe(fut.set_result, None)
 
         thread = threading.Thread(target=writer, name="floor-writer")
         thread.start()
         took = []
         try:
-            for i in range(steps, 2 * steps):
+            for i in range(steps):
                 fut: asyncio.Future[None] = loop.create_future()
                 t = time.perf_counter()
-                with ready:
-                    inbox.append((i, fut))
-                    ready.notify()
+                inbox.put((i, fut))
                 await fut
                 took.append(time.perf_counter() - t)
         finally:
-            with ready:
-                inbox.append((-1, loop.create_future()))
-                ready.notify()
+            inbox.put(None)
             thread.join()
         return took
 
     over = asyncio.run(handed())
     env.close()
-    return statistics.median(plain) * 1000, statistics.median(over) * 1000
+    return plain * 1000, statistics.median(over) * 1000
 
 
 # --------------------------------------------------------------------------- the run
@@ -310,7 +294,7 @@ def main() -> None:
         tmp = Path(raw)
         for r in range(args.rounds):
             floor = uvloop.run(floor_round(tmp, str(r), args.steps, args.workflows))
-            plain, handed = commit_floor(tmp / f"commit-{r}", 50 if args.quick else 500)
+            plain, handed = commit_floor(tmp, str(r), 50 if args.quick else 500)
             floor.update({"commit_ms_plain": round(plain, 3), "commit_ms_handed": round(handed, 3)})
             ours = uvloop.run(stepd_b(tmp, str(r), b_workflows, not args.quick))
             print(json.dumps({"round": r, "floor": floor, "stepd_ws_b": ours}), flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import anyio
 import pytest
-
 from stepd.transport.websocket import _Slots
 
 pytestmark = pytest.mark.anyio
