@@ -149,6 +149,8 @@ def main() -> None:
          default="warning", show_default=True, help="log level (stderr)")
 @_option("gc", type=click.Choice(["tuned", "default"]), default="tuned", show_default=True,
          help="the garbage collector: tuned for a daemon (docs/serve.md), or CPython's defaults")
+@_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
+         help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:
     """Run the daemon: the engine, the HTTP API and the worker WebSocket on one port.
 

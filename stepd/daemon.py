@@ -83,6 +83,9 @@ class ServeConfig:
         log_level: the level of stepd's and uvicorn's logs.
         gc: ``tuned`` (`stepd.gc_policy.tune_gc` at startup) or ``default``
             (CPython's collector settings, untouched).
+        unsafe_no_sync: commit without fsync. Loses acknowledged work on a
+            power cut; it exists so the power-loss test has a control that can
+            fail (tests/campaign), never for production.
     """
 
     data: str
@@ -106,6 +109,7 @@ class ServeConfig:
     ws_max_queue: int = 256
     log_level: str = "warning"
     gc: str = "tuned"
+    unsafe_no_sync: bool = False
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -128,7 +132,7 @@ class ServeConfig:
         config = EngineConfig(
             lease_ttl_ms=self.lease_ttl_ms, heartbeat_ms=self.heartbeat_ms,
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
-            prices=prices,
+            prices=prices, sync=not self.unsafe_no_sync,
         )
         config.check()
         return config
