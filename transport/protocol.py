@@ -427,6 +427,7 @@ class Protocol:
         query: Mapping[str, Any] | None = None,
         body: Any = NO_BODY,
         error: StepdError | None = None,
+        worker_id: str | None = None,
     ) -> Reply:
         """Run one operation for an authorized caller; record its audit entry.
 
@@ -438,6 +439,10 @@ class Protocol:
             body: the decoded JSON body, or `NO_BODY`.
             error: a refusal the transport found before the body could be
                 decoded (413, malformed JSON): recorded and raised as is.
+            worker_id: the worker registered on the caller's connection, for
+                the lease operations: a lease held by another worker is then
+                unknown to it (404). None where the transport cannot know
+                (plain HTTP); "" for a connection not registered yet.
 
         Returns:
             The success `Reply` (status 200 or 201).
@@ -468,7 +473,7 @@ class Protocol:
                 if audit.written:
                     return reply  # its audit entry committed with the change
             else:
-                reply = await self._run(op, target, query or {}, body)
+                reply = await self._run(op, target, query or {}, body, worker_id=worker_id)
         except StepdError as exc:
             status = status_of(exc)
             if status != 503:
@@ -488,6 +493,7 @@ class Protocol:
         query: Mapping[str, Any] | None = None,
         body: Any = NO_BODY,
         error: StepdError | None = None,
+        worker_id: str | None = None,
     ) -> Reply:
         """`call`, with every error mapped to its status and body (`error_reply`).
 
@@ -496,7 +502,7 @@ class Protocol:
         """
         try:
             return await self.call(op, principal, target=target, query=query, body=body,
-                                   error=error)
+                                   error=error, worker_id=worker_id)
         except (StepdError, StorageClosed) as exc:
             return error_reply(exc)
         except Exception as exc:
@@ -513,7 +519,8 @@ class Protocol:
         return Reply(201 if created else 200, {"run_id": run_id, "created": created})
 
     async def _run(self, op: Operation, target: str | None, query: Mapping[str, Any],
-                   body: Any, audit: _TxnAudit | None = None) -> Reply:
+                   body: Any, audit: _TxnAudit | None = None, *,
+                   worker_id: str | None = None) -> Reply:
         e = self.engine
         spec = SPECS[op]
         run_id = lease_id = ""
@@ -529,7 +536,7 @@ class Protocol:
         lease_op = _LEASE_OPS.get(op)
         if lease_op is not None:
             parsed = _LEASE_PARSERS[op](body)
-            answer = await e.lease_call(lease_id, lease_op, parsed)
+            answer = await e.lease_call(lease_id, lease_op, parsed, caller=worker_id)
             return Reply(200, dict(answer))
 
         if op is Operation.CLAIM:

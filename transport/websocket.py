@@ -505,8 +505,9 @@ class WorkerConnection:
                                                 field="lease_id"))
                 else:
                     body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    # The connection's worker: another worker's lease is unknown here.
                     reply = await self.protocol.handle(op, self.principal, target=lease_id,
-                                                       body=body)
+                                                       body=body, worker_id=self.worker_id or "")
                 await self._push(answer_frame(frame_id, reply))
         finally:
             done.set()

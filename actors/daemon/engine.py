@@ -594,8 +594,13 @@ class Engine:
                 self.announce(tuple(specs[done:]), front=True)
         return leases
 
-    async def lease_call(self, lease_id: str, op: Op, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def lease_call(self, lease_id: str, op: Op, body: dict[str, Any] | None = None, *,
+                         caller: str | None = None) -> dict[str, Any]:
         """A worker call on a lease: started, heartbeat, complete or fail.
+
+        `caller` is the worker registered on the connection the call came in
+        on, when the transport knows it: a lease another worker holds is then
+        answered as unknown (404), never applied, and its existence not revealed.
 
         Returns the answer body. Raises one of the four Conflicts (409),
         NotFound (404, unknown lease) or Invalid (400).
@@ -608,7 +613,7 @@ class Engine:
             try:
                 ref = self.system.resolve(f"/leases/{lease_id}")
                 if ref.alive:
-                    return dict(await ref.ask(LeaseCall(op, body)))
+                    return dict(await ref.ask(LeaseCall(op, body, caller)))
             except (ActorNotFound, ActorDead):
                 pass
             # No live actor: judge from the durable record.
@@ -621,6 +626,8 @@ class Engine:
                     # send its worker a 404 that makes it drop the lease.
                     await self.storage.write(store.barrier_txn)
                     continue
+                raise NotFound(f"lease {lease_id!r} not found")
+            if caller is not None and pair[0].get("worker_id") != caller:
                 raise NotFound(f"lease {lease_id!r} not found")
             reason = store.durable_reason(pair[0], pair[1], op)
             if reason is not None:

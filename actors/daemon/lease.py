@@ -17,7 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stepd.actors import Actor
-from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, Invalid, NotStarted, RunTerminal
+from stepd.engine.errors import (
+    AlreadyApplied,
+    Conflict,
+    Fenced,
+    Invalid,
+    NotFound,
+    NotStarted,
+    RunTerminal,
+)
 from stepd.engine.events import (
     AttemptCompleted,
     AttemptFailed,
@@ -45,7 +53,7 @@ CONFLICTS: dict[str, type[Conflict]] = {
 
 class LeaseActor(Actor):
     kind = "lease"
-    reply_errors = (Conflict, Invalid)
+    reply_errors = (Conflict, Invalid, NotFound)
 
     def __init__(
         self, engine: Engine, record: LeaseRecord, *, restarted: bool = False, fresh: bool = True
@@ -117,6 +125,10 @@ class LeaseActor(Actor):
     async def _call(self, call: LeaseCall) -> dict[str, Any]:
         m = self.machine
         rec = m.record
+        if call.caller is not None and call.caller != rec.worker_id:
+            # Another worker's connection: as if the lease did not exist, so a
+            # hostile worker can neither end it nor learn that it exists.
+            raise NotFound(f"lease {rec.lease_id!r} not found")
         reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")

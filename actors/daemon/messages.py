@@ -42,6 +42,9 @@ class LeaseCall:
 
     op: Op
     body: Any = None  # the call's parsed body: progress, output/state_patch/usage/spans, error
+    # The worker registered on the connection the call came in on, when the
+    # transport knows it (WebSocket, in process); None over plain HTTP.
+    caller: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

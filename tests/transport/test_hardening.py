@@ -1,0 +1,53 @@
+"""Defects a hostile or careless client found (the hardening issue), each fixed at the root.
+
+Each test here failed before its fix; they run against a real ``stepd serve``
+on 127.0.0.1 with raw HTTP and raw WebSocket clients.
+"""
+
+from __future__ import annotations
+
+from .conftest import DaemonProcess, WsWorker, start_run, task_def, unique, wait_result, ws_connect
+
+
+def test_a_worker_cannot_call_on_a_lease_another_worker_holds(daemon: DaemonProcess) -> None:
+    """Worker B, over its own registered WebSocket, completes A's lease: 404, nothing applied.
+
+    Before the fix B's complete was accepted and A's own complete then got
+    ``already_applied``, which is false. The 404 does not reveal that the lease
+    exists (the same answer as an unknown lease id), and A's calls still work.
+    """
+    name = unique()
+    with ws_connect(daemon) as conn_a, ws_connect(daemon) as conn_b, daemon.client() as http:
+        a, b = WsWorker(conn_a), WsWorker(conn_b)
+        a.request("register", name="a", definitions=[task_def(name, "s")])
+        b.request("register", name="b", definitions=[task_def(name, "s")])
+        a.send({"op": "credit", "n": 1})
+        run_id = start_run(http, name)
+        lease = a.wait_for("lease")["lease"]["lease_id"]
+        for op, extra in (("started", {}), ("heartbeat", {}), ("complete", {"output": "B"}),
+                          ("fail", {"error": {"class": "fatal", "message": "B"}})):
+            answer = b.request(op, lease_id=lease, **extra)
+            assert answer["op"] == "error" and answer["status"] == 404, (op, answer)
+            unknown = b.request(op, lease_id="l_01JDV5Z8Q3X4M6N7P8R9S0T1U2", **extra)
+            assert answer["message"].replace(lease, "L") == unknown["message"].replace(
+                "l_01JDV5Z8Q3X4M6N7P8R9S0T1U2", "L"), (answer, unknown)
+        assert a.request("started", lease_id=lease)["op"] == "ok"
+        assert a.request("complete", lease_id=lease, output="A")["op"] == "ok"
+        # The lease has ended: B still learns nothing (404), A hears already_applied.
+        assert b.request("complete", lease_id=lease, output="B")["status"] == 404
+        assert a.request("complete", lease_id=lease, output="A")["reason"] == "already_applied"
+        assert wait_result(http, run_id)["result"] == "A"
+
+
+def test_an_unregistered_websocket_cannot_call_on_a_lease(daemon: DaemonProcess) -> None:
+    name = unique()
+    with ws_connect(daemon) as conn_a, ws_connect(daemon) as conn_x, daemon.client() as http:
+        a, x = WsWorker(conn_a), WsWorker(conn_x)
+        a.request("register", definitions=[task_def(name, "s")])
+        a.send({"op": "credit", "n": 1})
+        run_id = start_run(http, name)
+        lease = a.wait_for("lease")["lease"]["lease_id"]
+        assert x.request("complete", lease_id=lease, output="X")["status"] == 404
+        a.request("started", lease_id=lease)
+        assert a.request("complete", lease_id=lease, output="A")["op"] == "ok"
+        assert wait_result(http, run_id)["result"] == "A"
