@@ -328,6 +328,13 @@ class RunMachine:
         if patch is not None and not isinstance(patch, dict):
             raise Invalid("must be an object", field="state_patch")
         step = self.definition.step(f.step_id)
+        jump = _jump_of(ev.output) if isinstance(step, TaskStep) else None
+        if jump is not None and jump != END:
+            try:
+                self.definition.index_of(jump)
+            except KeyError:
+                raise Invalid(f"{jump!r} is not a step of {self.definition.name!r}",
+                              field="output._next_step") from None
         tr = Transition()
         r = self.record
         if ev.usage:
@@ -344,8 +351,7 @@ class RunMachine:
         if isinstance(step, TaskStep):
             f.slots.remove(slot)
             nxt = self._finish_step(
-                step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units,
-                jump=_jump_of(ev.output),
+                step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units, jump=jump,
             )
             if nxt is not None:
                 self._run_steps_from(nxt, tr, now)
@@ -1049,10 +1055,20 @@ def iso_ms(ms: int) -> str:
 
 
 def _jump_of(output: Any) -> str | None:
-    if isinstance(output, dict):
-        target = output.get("_next_step")
-        if isinstance(target, str):
-            return target
+    """The `_next_step` a task's output asks for, or None.
+
+    One rule for every bad target (not a string, or no such step): the
+    completion is refused with a 400 naming ``output._next_step`` and nothing
+    of it is applied; the run does not end on a worker's typo.
+
+    Raises:
+        Invalid: the key is there but does not hold a string.
+    """
+    if isinstance(output, dict) and "_next_step" in output:
+        target = output["_next_step"]
+        if not isinstance(target, str) or not target:
+            raise Invalid("must be a step id of the workflow or '$end'", field="output._next_step")
+        return target
     return None
 
 

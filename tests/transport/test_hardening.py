@@ -6,7 +6,20 @@ on 127.0.0.1 with raw HTTP and raw WebSocket clients.
 
 from __future__ import annotations
 
-from .conftest import DaemonProcess, WsWorker, start_run, task_def, unique, wait_result, ws_connect
+import httpx
+import pytest
+
+from .conftest import (
+    DaemonProcess,
+    Worker,
+    WsWorker,
+    journal_types,
+    start_run,
+    task_def,
+    unique,
+    wait_result,
+    ws_connect,
+)
 
 
 def test_a_worker_cannot_call_on_a_lease_another_worker_holds(daemon: DaemonProcess) -> None:
@@ -51,3 +64,27 @@ def test_an_unregistered_websocket_cannot_call_on_a_lease(daemon: DaemonProcess)
         a.request("started", lease_id=lease)
         assert a.request("complete", lease_id=lease, output="A")["op"] == "ok"
         assert wait_result(http, run_id)["result"] == "A"
+
+
+@pytest.mark.parametrize("target", [5, None, ["a"], "", "nope", "$stop"])
+def test_a_bad_next_step_is_refused_whatever_its_type(http: httpx.Client, target: object) -> None:
+    """One rule for a non-string and an unknown `_next_step`: 400 naming output._next_step.
+
+    Before the fix ``{"_next_step": 5}`` completed the run with that output as
+    its result, while an unknown string failed the run. Nothing of the refused
+    complete is applied: the lease stays live and a good complete still lands.
+    """
+    name = unique()
+    worker = Worker(http, [task_def(name, "a", "b")])
+    run_id = start_run(http, name)
+    lease = worker.claim_one(run_id=run_id)["lease_id"]
+    assert worker.call(lease, "started").status_code == 200
+    r = worker.call(lease, "complete", {"output": {"_next_step": target, "x": 1},
+                                        "usage": {"input_tokens": 7}})
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == "output._next_step"
+    status = http.get(f"/v1/api/runs/{run_id}").json()
+    assert status["status"] == "running" and status["usage"]["input_tokens"] == 0
+    assert "step_completed" not in journal_types(http, run_id)
+    assert worker.call(lease, "complete", {"output": {"_next_step": "$end"}}).status_code == 200
+    assert wait_result(http, run_id)["result"] == {"_next_step": "$end"}
