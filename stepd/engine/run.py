@@ -81,6 +81,14 @@ MAX_IMMEDIATE_STEPS = 1000
 #: Signals a run keeps buffered before it refuses more (bounded memory).
 MAX_BUFFERED_SIGNALS = 1000
 
+#: The largest payload one signal may carry, as canonical JSON (1 MiB). Bigger
+#: data belongs in the application's own store, the signal carrying a reference.
+MAX_SIGNAL_BYTES = 1 << 20
+
+#: The payload bytes a run keeps buffered at most (8 MiB): with the count above
+#: this bounds what signals sent to a run that never waits for them can cost.
+MAX_BUFFERED_SIGNAL_BYTES = 8 << 20
+
 #: Error classes a step retries without listing them in `retry_on`.
 ALWAYS_RETRIED = frozenset({"retryable", "timeout"})
 
@@ -473,6 +481,12 @@ class RunMachine:
     def _on_signal(self, ev: SignalReceived, now: int) -> Transition:
         if not isinstance(ev.name, str) or not ev.name:
             raise Invalid("must be a non-empty string", field="name")
+        size = self._size(ev.payload)
+        if size > MAX_SIGNAL_BYTES:
+            raise Invalid(
+                f"is {size} bytes as JSON; a signal's payload may hold at most {MAX_SIGNAL_BYTES} "
+                "(max_signal_bytes): store the data elsewhere and signal a reference",
+                field="payload")
         r = self.record
         f = r.frame
         if r.status is RunStatus.WAITING and f is not None and f.event == ev.name:
@@ -491,10 +505,17 @@ class RunMachine:
             return tr
         if len(r.signals) >= MAX_BUFFERED_SIGNALS:
             raise Invalid(
-                f"run {r.run_id} already buffers {MAX_BUFFERED_SIGNALS} signals", field="name"
-            )
+                f"run {r.run_id} already buffers {len(r.signals)} signals that no wait has "
+                f"taken, the most a run keeps (max_buffered_signals = {MAX_BUFFERED_SIGNALS})")
+        buffered = sum(self._buffered_size(s) for s in r.signals)
+        if buffered + size > MAX_BUFFERED_SIGNAL_BYTES:
+            raise Invalid(
+                f"run {r.run_id} buffers {buffered} bytes of signals that no wait has taken; "
+                f"with this {size}-byte payload it would exceed the "
+                f"{MAX_BUFFERED_SIGNAL_BYTES} a run keeps (max_buffered_signal_bytes)",
+                field="payload")
         tr = Transition()
-        r.signals.append({"name": ev.name, "payload": ev.payload, "at": now})
+        r.signals.append({"name": ev.name, "payload": ev.payload, "at": now, "bytes": size})
         self._journal(tr, now, "signal_received", name=ev.name, buffered=True)
         return tr
 
@@ -762,6 +783,11 @@ class RunMachine:
                           message=message)
             self._fail_run(ErrorReason.STEP_FAILED, message, step.id, tr, now)
             return None
+
+    def _buffered_size(self, signal: dict[str, Any]) -> int:
+        """A buffered signal's payload size (records written before sizes were kept: measured)."""
+        size = signal.get("bytes")
+        return size if isinstance(size, int) else self._size(signal.get("payload"))
 
     def _consume_signal(self, name: str, payload: Any, tr: Transition, now: int) -> None:
         f = self.record.frame

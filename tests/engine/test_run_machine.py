@@ -573,7 +573,7 @@ def test_wait_consumes_a_late_signal_into_state() -> None:
     assert m.record.state == {"approval": {"by": "ann"}}
     assert m.record.steps["approval"] == {"by": "ann"}
     assert runnable(tr) == [("send", None, 1)]
-    assert m.record.signals == [{"name": "other", "payload": 1, "at": 5}]
+    assert m.record.signals == [{"name": "other", "payload": 1, "at": 5, "bytes": 1}]
 
 
 def test_early_signals_are_buffered_in_order_and_the_oldest_is_consumed() -> None:

@@ -6,11 +6,14 @@ on 127.0.0.1 with raw HTTP and raw WebSocket clients.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
 from .conftest import (
     DaemonProcess,
+    start_daemon,
     Worker,
     WsWorker,
     journal_types,
@@ -88,3 +91,53 @@ def test_a_bad_next_step_is_refused_whatever_its_type(http: httpx.Client, target
     assert "step_completed" not in journal_types(http, run_id)
     assert worker.call(lease, "complete", {"output": {"_next_step": "$end"}}).status_code == 200
     assert wait_result(http, run_id)["result"] == {"_next_step": "$end"}
+
+
+@pytest.fixture(scope="module")
+def default_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon with the default body limit (8 MiB), unlike the shared one (64 KiB)."""
+    d = start_daemon(tmp_path_factory.mktemp("hardening") / "data")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_signals_are_bounded_in_bytes_and_count(default_daemon: DaemonProcess) -> None:
+    """A payload over 1 MiB is refused (400 payload); so is what would overflow a run's buffer.
+
+    Before the fix ten 7 MB signals to a run not waiting for them were all
+    buffered (the data file grew by 290 MB), and the 1,001st signal's refusal
+    named ``field: "name"``. Refusals record nothing.
+    """
+    with default_daemon.client() as http:
+        _signals_are_bounded(http)
+
+
+def _signals_are_bounded(http: httpx.Client) -> None:
+    name = unique()
+    Worker(http, [task_def(name, "a")])
+    run_id = start_run(http, name)  # nobody claims "a": every signal is buffered
+
+    def signal(payload: object, sig: str = "note") -> httpx.Response:
+        return http.post(f"/v1/api/runs/{run_id}/signal", json={"name": sig, "payload": payload})
+
+    big = signal("x" * (1 << 20))  # 1 MiB + the two quotes
+    assert big.status_code == 400 and big.json()["field"] == "payload", big.text
+    assert "max_signal_bytes" in big.json()["message"]
+    chunk = "y" * ((1 << 20) - 64)
+    for _ in range(8):
+        assert signal(chunk).status_code == 200
+    over = signal(chunk)
+    assert over.status_code == 400 and over.json()["field"] == "payload", over.text
+    assert "max_buffered_signal_bytes" in over.json()["message"]
+    events = http.get(f"/v1/api/runs/{run_id}/journal").json()["events"]
+    assert [e["type"] for e in events].count("signal_received") == 8
+
+    small = start_run(http, name)
+    for i in range(1000):
+        r = http.post(f"/v1/api/runs/{small}/signal", json={"name": "tick", "payload": i})
+        assert r.status_code == 200, (i, r.text)
+    r = http.post(f"/v1/api/runs/{small}/signal", json={"name": "tick", "payload": 1000})
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] is None and "max_buffered_signals" in r.json()["message"]
