@@ -357,6 +357,13 @@ class Actor:
     _actor_incarnated: bool = False
     _actor_ref_type: ClassVar[type[ActorRef]] = ActorRef
 
+    #: Why the incarnation before this one ended, when this one is a restart
+    #: of the same child: the crash exception, `ActorKilled` for a kill, or
+    #: None (the first start, or a sibling's failure restarted it). Set by the
+    #: supervisor before `on_start`, so an actor can tell a crash loop (count
+    #: it durably, give up) from fault injection.
+    restart_reason: BaseException | None = None
+
     # -- hooks ----------------------------------------------------------------
 
     async def on_start(self) -> None:

@@ -21,8 +21,12 @@ Lifecycle, in order:
    in reverse start order, each gracefully within its spec's `shutdown`.
 
 Restarts: each restart of the supervisor (one child, or a group under
-`ONE_FOR_ALL` / `REST_FOR_ONE`) is recorded in the `add_restart` sliding
-window. More than `intensity` within `period` seconds of the system clock, and
+`ONE_FOR_ALL` / `REST_FOR_ONE`) after a crash is recorded in the `add_restart`
+sliding window; a restart after a kill (`ActorKilled`: fault injection) is not,
+so the window measures the children's own failures. Every crash is logged at
+WARNING with its traceback, every kill at INFO, an escalation at ERROR; the next
+incarnation finds the reason in `Actor.restart_reason`.
+More than `intensity` within `period` seconds of the system clock, and
 the supervisor stops its children in reverse order and crashes with
 `SupervisorEscalation`; its parent decides. A restart whose `on_start` fails
 counts as another restart and is retried, so a child that cannot start
@@ -32,6 +36,7 @@ supervisor's restart: the fresh supervisor starts only its static children.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,7 +44,14 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ._actor import Actor, Runtime
-from ._errors import ActorDead, ActorNotFound, ChildExists, StartFailed, SupervisorEscalation
+from ._errors import (
+    ActorDead,
+    ActorKilled,
+    ActorNotFound,
+    ChildExists,
+    StartFailed,
+    SupervisorEscalation,
+)
 from ._intensity import add_restart
 from ._ref import ActorRef, Cell
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
@@ -47,17 +59,20 @@ from ._stats import ActorTree
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
+log = logging.getLogger("stepd.actors")
+
 
 class _Child:
     """A supervisor's record of one child: its spec, cell and current incarnation."""
 
-    __slots__ = ("cell", "removed", "runtime", "spec")
+    __slots__ = ("cell", "last_reason", "removed", "runtime", "spec")
 
     def __init__(self, spec: ChildSpec, cell: Cell) -> None:
         self.spec = spec
         self.cell = cell
         self.runtime: Runtime | None = None
         self.removed = False
+        self.last_reason: BaseException | None = None  # handed to the next incarnation
 
 
 class _ChildExit:
@@ -304,6 +319,7 @@ class Supervisor(Actor):
             runtime = Runtime(actor, child.cell, system)
         except Exception as exc:
             raise StartFailed(child.cell.path) from exc
+        actor.restart_reason, child.last_reason = child.last_reason, None
         child.runtime = runtime
         child.cell.current = runtime
         assert self._tg is not None
@@ -358,18 +374,35 @@ class Supervisor(Actor):
         child = event.child
         if child.removed or child.runtime is not event.runtime:
             return  # stale: stopped on purpose, or already replaced
-        if not _should_restart(child.spec.restart, event.reason):
+        reason = event.reason
+        if isinstance(reason, ActorKilled):
+            log.info("actor %s was killed (fault injection); restarting it", child.cell.path)
+        elif reason is not None:
+            # Every crash is seen at the default level: a restart loop must
+            # never be silent.
+            log.warning("actor %s crashed: %s: %s; %s", child.cell.path, type(reason).__name__,
+                        reason, "restarting it" if _should_restart(child.spec.restart, reason)
+                        else "not restarted (its restart type)", exc_info=reason)
+        if not _should_restart(child.spec.restart, reason):
             self._remove(child)
             return
-        await self._restart(child, event.reason)
+        await self._restart(child, reason)
 
     async def _restart(self, failed: _Child, reason: BaseException | None) -> None:
         rt = self._rt()
         while True:
-            self._restarts, ok = add_restart(
-                self._restarts, rt.system.clock.now(), intensity=self.intensity, period=self.period
-            )
+            # A kill (fault injection, `ActorSystem.kill`) is restarted but not
+            # counted: the intensity measures the children's own failures, and
+            # an operator killing actors in a loop must not stop the daemon.
+            ok = True
+            if not isinstance(reason, ActorKilled):
+                self._restarts, ok = add_restart(
+                    self._restarts, rt.system.clock.now(), intensity=self.intensity,
+                    period=self.period,
+                )
             if not ok:
+                log.error("supervisor %s: more than %d restarts in %.0f s; it gives up and "
+                          "escalates to its parent", rt.path, self.intensity, self.period)
                 raise SupervisorEscalation(rt.path, self.intensity, self.period) from reason
             group = self._group(failed)
             # Stop the running members of the group in reverse start order;
@@ -379,6 +412,7 @@ class Supervisor(Actor):
                     if child.spec.restart is Restart.TEMPORARY:
                         self._remove(child)
                     await self._stop_incarnation(child)
+            failed.last_reason = reason  # its next incarnation learns why it is restarted
             try:
                 for child in group:
                     if child.removed or (child.runtime is not None and not child.runtime.done):

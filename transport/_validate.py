@@ -213,6 +213,18 @@ def _pattern(value: Any, field: str, pattern: re.Pattern[str], what: str, max_le
     return value
 
 
+MAX_TOKENS: Final = 1 << 40
+"""The most tokens one usage object may report (~1.1e12, far beyond any model call).
+
+Why a bound: the daemon sums usage into the run's totals, and a sum past what
+the storage codec holds (2**64-1) failed the run's write on every retry: a
+poison run. Refused here with a 400 naming the field, nothing of the call is applied.
+"""
+
+MAX_EPOCH_MS: Final = 1 << 53
+"""Span times are epoch milliseconds: at most 2**53 (exact in a double, the year 287396)."""
+
+
 def _usage(value: Any, field: str) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -222,10 +234,11 @@ def _usage(value: Any, field: str) -> dict[str, Any] | None:
     if "model" in u:
         out["model"] = optional_name(u["model"], field_path(field, "model"))
     if "input_tokens" in u:
-        out["input_tokens"] = check_int(u["input_tokens"], field_path(field, "input_tokens"), minimum=0)
+        out["input_tokens"] = check_int(u["input_tokens"], field_path(field, "input_tokens"),
+                                        minimum=0, maximum=MAX_TOKENS)
     if "output_tokens" in u:
         out["output_tokens"] = check_int(u["output_tokens"], field_path(field, "output_tokens"),
-                                    minimum=0)
+                                         minimum=0, maximum=MAX_TOKENS)
     return out
 
 
@@ -246,8 +259,10 @@ def _span(value: Any, field: str) -> dict[str, Any]:
     name = _required(s, "name", field)
     if not isinstance(name, str) or not name:
         raise Invalid("must be a non-empty string", field=field_path(field, "name"))
-    out["start_ms"] = check_int(_required(s, "start_ms", field), field_path(field, "start_ms"), minimum=0)
-    out["end_ms"] = check_int(_required(s, "end_ms", field), field_path(field, "end_ms"), minimum=0)
+    out["start_ms"] = check_int(_required(s, "start_ms", field), field_path(field, "start_ms"),
+                                minimum=0, maximum=MAX_EPOCH_MS)
+    out["end_ms"] = check_int(_required(s, "end_ms", field), field_path(field, "end_ms"),
+                              minimum=0, maximum=MAX_EPOCH_MS)
     if "attributes" in s and not isinstance(s["attributes"], dict):
         raise Invalid("must be an object", field=field_path(field, "attributes"))
     if "usage" in s:

@@ -85,6 +85,12 @@ from .timers import TimerActor, TimerIndexChanged
 
 PROTOCOL_VERSION = "1.20"
 
+#: Crashes (not kills) of run or lease actors in 10 s before their supervisor escalates.
+RUNS_INTENSITY = 100
+#: Restarts of the tree's top (registry, supervisors, timers, recovery) in 60 s
+#: before the daemon gives up.
+ROOT_INTENSITY = 10
+
 #: How many times a call retries an actor that died under it (it is being
 #: restarted by its supervisor, or a passivating run stopped at that moment).
 RETRIES = 50
@@ -176,18 +182,23 @@ class Engine:
             root = Supervisor(
                 [
                     ChildSpec("registry", lambda: RegistryActor(engine._load_workers)),
-                    # Runs and leases come and go by the thousand, and killing them
-                    # is a feature: their supervisors tolerate many restarts.
-                    ChildSpec("runs", lambda: Supervisor(intensity=10_000, period=10.0)),
-                    ChildSpec("leases", lambda: Supervisor(intensity=10_000, period=10.0)),
+                    # Kills (fault injection) are not counted by any supervisor,
+                    # so these limits measure crashes alone. One poison run is
+                    # bounded by its own durable count (run.MAX_CRASHES); over
+                    # 100 crashes of run (or lease) actors in 10 s is systemic
+                    # (the storage failing, a bug every run hits): the supervisor
+                    # escalates and the root rebuilds the tree from storage.
+                    ChildSpec("runs", lambda: Supervisor(intensity=RUNS_INTENSITY, period=10.0)),
+                    ChildSpec("leases", lambda: Supervisor(intensity=RUNS_INTENSITY, period=10.0)),
                     ChildSpec("timers", lambda: TimerActor(engine)),
                     ChildSpec("recovery", lambda: RecoveryActor(engine)),
                 ],
                 strategy=Strategy.REST_FOR_ONE,
-                # Killing actors on purpose is a feature (fault injection), so
-                # the root tolerates a lot before it gives up and stops the daemon.
-                intensity=100,
-                period=10.0,
+                # More than 10 rebuilds of the tree in a minute and it will not
+                # get better by itself: the root gives up, the daemon exits
+                # non-zero and says why (a service manager restarts it).
+                intensity=ROOT_INTENSITY,
+                period=60.0,
             )
             system = ActorSystem(clock=clock, root=root)
             engine.system = system

@@ -17,9 +17,10 @@ run actors: so no cycle of asks, no deadlock.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
-from stepd.actors import Actor
+from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
 from stepd.engine.errors import Conflict, Invalid
 from stepd.engine.events import (
     AttemptOffered,
@@ -27,6 +28,7 @@ from stepd.engine.events import (
     CancelChildren,
     ChildFinished,
     EndLeases,
+    InternalFailure,
     NotifyParent,
     RunEnded,
     Runnable,
@@ -56,6 +58,23 @@ from .messages import (
 if TYPE_CHECKING:
     from .engine import Engine
 
+log = logging.getLogger("stepd.daemon")
+
+#: A run whose actor crashes more than this many times within `CRASH_PERIOD_MS`
+#: (counted durably, across daemon restarts) is failed with reason `internal`.
+MAX_CRASHES = 5
+CRASH_PERIOD_MS = 10 * 60 * 1000
+
+
+def own_crash(reason: BaseException | None) -> BaseException | None:
+    """The run actor's own failure in a restart reason, or None for a kill or a
+    dependency that was restarting (neither says anything about the run)."""
+    if isinstance(reason, StartFailed) and reason.__cause__ is not None:
+        reason = reason.__cause__
+    if reason is None or isinstance(reason, (ActorKilled, ActorDead)):
+        return None
+    return reason if isinstance(reason, Exception) else None
+
 
 def walk_writes(writes: list[store.RunWrite]) -> list[store.RunWrite]:
     out = []
@@ -73,6 +92,9 @@ class SignalRefused(Conflict):
     def __init__(self, budget: str, message: str = "") -> None:
         super().__init__(message or f"the signal's transition would exceed {budget}")
         self.budget = budget
+
+
+_ABANDON = object()
 
 
 class StaleState(RuntimeError):
@@ -108,6 +130,10 @@ class RunActor(Actor):
 
     async def on_start(self) -> None:
         e = self.engine
+        give_up = await self._count_crash()
+        if give_up is _ABANDON:
+            self.stop()  # failing it failed too: no actor until something wakes it again
+            return
         initial, self._initial = self._initial, None
         if initial is not None:
             self.machine, tr = initial
@@ -129,6 +155,10 @@ class RunActor(Actor):
         self.indexed_active = not self.machine.idle()
         # The status as counted in engine.status_counts (creation counted it already).
         self._status = self.machine.record.status.value
+        if isinstance(give_up, str) and not self.machine.record.status.terminal:
+            failed = self.machine.handle(InternalFailure(give_up), self.clock.time_ms())
+            await self._commit(failed)
+            await self._effects(failed)
         await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr)
@@ -149,6 +179,33 @@ class RunActor(Actor):
                     # the write) lost runs to a sweep between tell and commit.
                     self.engine.timer_index_changed(self.indexed_due)
                 self.stop()
+
+    async def _count_crash(self) -> str | object | None:
+        """After a crash of this run's actor: count it durably; past the bound, give up.
+
+        Returns None (go on), the message to fail the run with, or `_ABANDON`
+        when even failing it keeps crashing (then the actor stays down until
+        something wakes the run again, each time costing one counted crash).
+        """
+        crash = own_crash(self.restart_reason)
+        if crash is None:
+            return None
+        now = self.clock.time_ms()
+        error = f"{type(crash).__name__}: {crash}"
+        count = await self.engine.storage.write(
+            store.count_crash_txn, self.run_id, now, error, CRASH_PERIOD_MS, 2 * MAX_CRASHES + 1)
+        if count <= MAX_CRASHES:
+            return None
+        if count > 2 * MAX_CRASHES:
+            log.error("run %s: its actor crashed %d times in %d minutes, and failing the run "
+                      "crashed too; it is left without an actor (last: %s)", self.run_id, count,
+                      CRASH_PERIOD_MS // 60_000, error)
+            return _ABANDON
+        log.error("run %s: its actor crashed %d times in %d minutes; the run fails with "
+                  "reason internal (last: %s)", self.run_id, count, CRASH_PERIOD_MS // 60_000,
+                  error)
+        return (f"the daemon gave up on this run: its actor crashed {count} times in "
+                f"{CRASH_PERIOD_MS // 60_000} minutes (last: {error[:500]})")
 
     def _passivable(self) -> bool:
         """Nothing in flight, nothing queued, and no deadline already due."""
@@ -225,7 +282,8 @@ class RunActor(Actor):
         # crash the slot is still queued on record and is offered again, and the
         # worker's calls on this lease get 404. Every later write of this run is
         # ordered after it, so `started`/`complete` find the lease on record.
-        e.storage.write_deferred(store.apply_txn, self._write(tr, leases=[record.to_dict()]))
+        e.storage.write_deferred(store.apply_txn,
+                                 store.deferred(self._write(tr, leases=[record.to_dict()])))
         await e.start_lease_actor(record, self.machine.record.workflow)
         lease["lease_ttl_ms"] = e.config.lease_ttl_ms
         e.metrics_offered(spec, now)
@@ -251,7 +309,8 @@ class RunActor(Actor):
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
-            self.engine.storage.write_deferred(store.apply_txn, self._write(tr, leases=[msg.lease]))
+            self.engine.storage.write_deferred(
+                store.apply_txn, store.deferred(self._write(tr, leases=[msg.lease])))
             self._arm()
             return
         try:

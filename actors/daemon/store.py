@@ -20,6 +20,7 @@ Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
 | inbox | target run id, NUL, source | a message for a run that may be passivated |
 | definitions | definition hash | `{"json", "order", "registered_at"}` |
 | workers | worker id | registration |
+| run_crashes | run id | `{"at": [ms, ...], "error"}`: recent crashes of the run's actor |
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, NotStarted, Ru
 from stepd.engine.lease import LeaseRecord, Op, reject_reason
 from stepd.engine.record import slot_key
 from stepd.engine.status import TERMINAL_STATUSES, RunStatus
-from stepd.storage import ReadTxn, WriteTxn, journal_key, timer_key
+from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, timer_key
 
 InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
 """Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
@@ -45,8 +46,9 @@ TIMERS = "timers"
 IDX_ACTIVE = "idx_active"
 INBOX = "inbox"
 WORKERS = "workers"
+RUN_CRASHES = "run_crashes"
 
-EXTRA_TABLES = (IDX_ACTIVE, INBOX)
+EXTRA_TABLES = (IDX_ACTIVE, INBOX, RUN_CRASHES)
 
 TIMER_TAG = b"run"
 
@@ -82,6 +84,11 @@ class RunWrite:
     run_id: str
     record: dict[str, Any]
     journal: list[dict[str, Any]]
+    # The record already encoded, for a write nobody awaits: `record` shares
+    # dicts with the live machine (its `steps`, `fences`, `signals`), which the
+    # next transition mutates before the writer thread gets to a deferred
+    # write; encoding at submission keeps exactly the state of this transition.
+    record_raw: bytes | None = None
     due_old: int | None = None
     due_new: int | None = None
     active_old: bool = False
@@ -120,7 +127,10 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
     else:
         if w.guard is not None:
             _check_guard_txn(txn, w.run_id, w.guard)
-        txn.put(RUNS, w.run_id, w.record)
+        if w.record_raw is not None:
+            txn.put_raw(RUNS, w.run_id, w.record_raw)
+        else:
+            txn.put(RUNS, w.run_id, w.record)
     for entry in w.journal:
         txn.put(JOURNAL, journal_key(w.run_id, entry["seq"]), entry)
     if w.due_old != w.due_new:
@@ -152,6 +162,17 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
     return None
 
 
+def deferred(w: RunWrite) -> RunWrite:
+    """`w`, its record encoded now: for `Storage.write_deferred` (see `RunWrite.record_raw`).
+
+    Raises:
+        OverflowError, TypeError: the record holds what the codec cannot store
+            (on the caller's side: a bug in the transition, not a daemon stop).
+    """
+    w.record_raw = encode(w.record)
+    return w
+
+
 def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
     lease_raw = txn.get(LEASES, guard.lease_id)
     run_raw = txn.get(RUNS, run_id)
@@ -172,6 +193,21 @@ def durable_reason(lease_raw: dict[str, Any], run_raw: dict[str, Any], op: Op) -
         run_terminal=run_raw["status"] in _TERMINAL_VALUES,
         current_fence=fences.get(slot_key(lease.step_id, lease.item_index)),
     )
+
+
+def count_crash_txn(txn: WriteTxn, run_id: str, at_ms: int, error: str, period_ms: int,
+                    keep: int) -> int:
+    """Record one crash of a run's actor; return how many fell within the last `period_ms`.
+
+    Durable, so a crash loop is bounded across daemon restarts too (STYLE.md
+    rule 10, DBOS's recovery attempts); its own small table, so counting does
+    not depend on the run record being writable.
+    """
+    raw = txn.get(RUN_CRASHES, run_id)
+    times = [t for t in (raw.get("at") or []) if isinstance(t, int)] if isinstance(raw, dict) else []
+    times = [t for t in times if t >= at_ms - period_ms][-(keep - 1):] + [at_ms]
+    txn.put(RUN_CRASHES, run_id, {"at": times, "error": error[:2000]})
+    return len(times)
 
 
 def barrier_txn(txn: WriteTxn) -> None:

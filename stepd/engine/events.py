@@ -127,6 +127,17 @@ class Cancel:
     message: str = "cancelled"
 
 
+@dataclass(frozen=True, slots=True)
+class InternalFailure:
+    """The daemon gives up on the run: its actor crashed too often (a poison run).
+
+    The run fails with reason `internal` and the message journaled, so a crash
+    loop ends in a visible failure instead of restarting forever.
+    """
+
+    message: str
+
+
 Event = (
     AttemptOffered
     | AttemptStarted
@@ -141,6 +152,7 @@ Event = (
     | Tick
     | ChildFinished
     | Cancel
+    | InternalFailure
 )
 
 # --------------------------------------------------------------------------- effects

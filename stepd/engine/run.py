@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ from .events import (
     ChildSpec,
     EndLeases,
     Event,
+    InternalFailure,
     NotifyParent,
     RunEnded,
     Runnable,
@@ -88,6 +90,9 @@ MAX_SIGNAL_BYTES = 1 << 20
 #: The payload bytes a run keeps buffered at most (8 MiB): with the count above
 #: this bounds what signals sent to a run that never waits for them can cost.
 MAX_BUFFERED_SIGNAL_BYTES = 8 << 20
+
+#: A run's token totals saturate here (2**62), well inside what storage holds.
+MAX_TOKEN_TOTAL = 1 << 62
 
 #: Error classes a step retries without listing them in `retry_on`.
 ALWAYS_RETRIED = frozenset({"retryable", "timeout"})
@@ -346,9 +351,14 @@ class RunMachine:
         tr = Transition()
         r = self.record
         if ev.usage:
-            r.input_tokens += int(ev.usage.get("input_tokens") or 0)
-            r.output_tokens += int(ev.usage.get("output_tokens") or 0)
-            r.cost_usd += float(ev.usage.get("cost_usd") or 0.0)
+            # Saturating: a total past what storage holds would fail every write of
+            # the run (the transport bounds each report; this bounds the sum).
+            r.input_tokens = min(r.input_tokens + int(ev.usage.get("input_tokens") or 0),
+                                 MAX_TOKEN_TOTAL)
+            r.output_tokens = min(r.output_tokens + int(ev.usage.get("output_tokens") or 0),
+                                  MAX_TOKEN_TOTAL)
+            cost = r.cost_usd + float(ev.usage.get("cost_usd") or 0.0)
+            r.cost_usd = cost if math.isfinite(cost) else r.cost_usd
         self._journal(
             tr, now, "step_completed", step_id=ev.step_id, item_index=ev.item_index,
             attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
@@ -559,6 +569,11 @@ class RunMachine:
 
     def _on_child_ignored(self, ev: ChildFinished, now: int) -> Transition:
         return Transition()
+
+    def _on_internal_failure(self, ev: InternalFailure, now: int) -> Transition:
+        tr = Transition()
+        self._fail_run(ErrorReason.INTERNAL, ev.message, self._current_step_id(), tr, now)
+        return tr
 
     def _on_cancel(self, ev: Cancel, now: int) -> Transition:
         tr = Transition()
@@ -1138,6 +1153,9 @@ TRANSITIONS: dict[tuple[RunStatus, type], tuple[str, tuple[RunStatus, ...]]] = {
     (R, Cancel): ("_on_cancel", (X,)),
     (W, Cancel): ("_on_cancel", (X,)),
     (S, Cancel): ("_on_cancel", (X,)),
+    (R, InternalFailure): ("_on_internal_failure", (F,)),
+    (W, InternalFailure): ("_on_internal_failure", (F,)),
+    (S, InternalFailure): ("_on_internal_failure", (F,)),
     (W, ChildFinished): ("_on_child_ignored", (W,)),
     (S, ChildFinished): ("_on_child_ignored", (S,)),
 }
@@ -1157,6 +1175,7 @@ del _s, _ev
 _TERMINAL_CONFLICTS = frozenset({
     AttemptOffered, AttemptStarted, AttemptCompleted, AttemptFailed, AttemptLost,
     AttemptOrphaned, AttemptRevived, AttemptReleased, AttemptUnservable, SignalReceived, Cancel,
+    InternalFailure,
 })
 
 

@@ -40,6 +40,7 @@ class ErrorReason(IdentityEnum):
     TEMPLATE = "template"
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
+    INTERNAL = "internal"  # the daemon gave up: the run's actor crashed too often
 
 
 class SlotPhase(IdentityEnum):

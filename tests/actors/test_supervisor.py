@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import anyio
@@ -591,3 +592,46 @@ async def test_a_child_gone_for_good_is_freed_without_the_cyclic_gc(how: str) ->
             assert made[0]() is None, gc.get_referrers(made[0]())
         finally:
             gc.enable()
+
+
+async def test_kills_are_restarted_but_not_counted_toward_the_intensity() -> None:
+    """Fault injection must not stop the tree: only the children's own crashes escalate."""
+    clock = ManualClock()
+    log: list[str] = []
+    sup = ChildSpec("sup", lambda: Supervisor([ChildSpec("w", rec("w", log))], intensity=1,
+                                              period=5.0))
+    async with ActorSystem(clock=clock, root=Supervisor([sup], intensity=0, period=5.0)) as system:
+        for n in range(1, 6):
+            await system.kill("/sup/w")
+            await settle()
+            assert system.statistics("/sup/w").restarts == n
+        assert system.statistics("/sup").restarts == 0  # never escalated
+        assert await system.resolve("/sup/w").ask(Echo("still here")) == "still here"
+
+
+class _Reasons(Rec):
+    seen: list[str] = []
+
+    async def on_start(self) -> None:
+        reason = self.restart_reason
+        _Reasons.seen.append("first" if reason is None else type(reason).__name__)
+        await super().on_start()
+
+
+async def test_a_restarted_incarnation_learns_why_and_the_crash_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    log: list[str] = []
+    _Reasons.seen = []
+    caplog.set_level(logging.INFO, logger="stepd.actors")
+    async with ActorSystem() as system:
+        ref = await system.spawn(ChildSpec("r", lambda: _Reasons("r", log)))
+        await ref.tell("crash")
+        await settle()
+        await system.kill("/r")
+        await settle()
+        assert _Reasons.seen == ["first", "Boom", "ActorKilled"]
+    crashes = [r for r in caplog.records if "crashed" in r.getMessage()]
+    assert len(crashes) == 1 and crashes[0].levelno == logging.WARNING
+    assert crashes[0].exc_info is not None and "/r" in crashes[0].getMessage()
+    kills = [r for r in caplog.records if "was killed" in r.getMessage()]
+    assert len(kills) == 1 and kills[0].levelno == logging.INFO

@@ -141,3 +141,31 @@ def _signals_are_bounded(http: httpx.Client) -> None:
     r = http.post(f"/v1/api/runs/{small}/signal", json={"name": "tick", "payload": 1000})
     assert r.status_code == 400, r.text
     assert r.json()["field"] is None and "max_buffered_signals" in r.json()["message"]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"output": 1, "usage": {"input_tokens": 2**64 - 1}}, "usage.input_tokens"),
+    ({"output": 1, "usage": {"output_tokens": 2**41}}, "usage.output_tokens"),
+    ({"output": 1, "spans": [{"span_id": "a" * 16, "name": "llm", "start_ms": 0,
+                              "end_ms": 2**60}]}, "spans[0].end_ms"),
+    ({"output": 1, "spans": [{"span_id": "a" * 16, "name": "llm", "start_ms": 0, "end_ms": 1,
+                              "usage": {"input_tokens": 2**64 - 1}}]},
+     "spans[0].usage.input_tokens"),
+])
+def test_numbers_that_could_overflow_a_run_are_refused_at_the_boundary(
+        http: httpx.Client, body: dict[str, object], field: str) -> None:
+    """Two completes of 2**64-1 tokens each once overflowed the run's totals and hung.
+
+    Each number is range-checked where it enters: 400 naming the field, nothing
+    applied; then a good complete lands.
+    """
+    name = unique()
+    worker = Worker(http, [task_def(name, "a", "b")])
+    run_id = start_run(http, name)
+    lease = worker.claim_one(run_id=run_id)["lease_id"]
+    worker.call(lease, "started")
+    r = worker.call(lease, "complete", body)
+    assert r.status_code == 400 and r.json()["field"] == field, r.text
+    assert worker.call(lease, "complete", {"output": 1, "usage": {"input_tokens": 2**40}}
+                       ).status_code == 200
+    assert http.get(f"/v1/api/runs/{run_id}").json()["usage"]["input_tokens"] == 2**40
