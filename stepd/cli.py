@@ -149,6 +149,9 @@ def main() -> None:
          default="warning", show_default=True, help="log level (stderr)")
 @_option("gc", type=click.Choice(["tuned", "default"]), default="tuned", show_default=True,
          help="the garbage collector: tuned for a daemon (docs/serve.md), or CPython's defaults")
+@_option("max-child-depth", type=click.IntRange(0, 64), default=10, show_default=True,
+         help="how deep child runs may nest (start_workflows); deeper fails the run "
+              "(budget_exceeded, max_child_depth)")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:

@@ -48,6 +48,7 @@ import uvicorn
 from stepd.actors.daemon import Engine, EngineConfig
 from stepd.engine.errors import Invalid
 from stepd.engine.pricing import PriceBook
+from stepd.engine.run import DEFAULT_MAX_CHILD_DEPTH
 from stepd.gc_policy import tune_gc
 from stepd.transport.audit import AuditLog
 from stepd.transport.auth import KeyRing, check_bind_address
@@ -83,6 +84,7 @@ class ServeConfig:
         log_level: the level of stepd's and uvicorn's logs.
         gc: ``tuned`` (`stepd.gc_policy.tune_gc` at startup) or ``default``
             (CPython's collector settings, untouched).
+        max_child_depth: how deep child runs may nest (`start_workflows`).
         unsafe_no_sync: commit without fsync. Loses acknowledged work on a
             power cut; it exists so the power-loss test has a control that can
             fail (tests/campaign), never for production.
@@ -110,6 +112,7 @@ class ServeConfig:
     log_level: str = "warning"
     gc: str = "tuned"
     unsafe_no_sync: bool = False
+    max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -132,7 +135,7 @@ class ServeConfig:
         config = EngineConfig(
             lease_ttl_ms=self.lease_ttl_ms, heartbeat_ms=self.heartbeat_ms,
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
-            prices=prices, sync=not self.unsafe_no_sync,
+            prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
         )
         config.check()
         return config

@@ -57,7 +57,7 @@ from stepd.engine.events import AttemptSpec, StartChildren, Transition
 from stepd.engine.lease import LeaseRecord, Op
 from stepd.engine.pricing import PriceBook, step_usage
 from stepd.engine.record import RunRecord
-from stepd.engine.run import RunMachine
+from stepd.engine.run import DEFAULT_MAX_CHILD_DEPTH, RunMachine
 from stepd.storage import Storage
 
 from . import ids, store
@@ -104,6 +104,7 @@ class EngineConfig:
     heartbeat_ms: int = 10_000
     recovery_window_ms: int = 5_000
     max_request_ms: int = 30_000
+    max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
     sync: bool = True  # False only for benchmark comparison: unsafe
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
@@ -123,6 +124,9 @@ class EngineConfig:
             raise Invalid("must be an integer >= 0 (milliseconds)", field="recovery_window_ms")
         if self.heartbeat_ms >= self.lease_ttl_ms:
             raise Invalid("must be less than lease_ttl_ms", field="heartbeat_ms")
+        depth = self.max_child_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 64:
+            raise Invalid("must be an integer from 0 to 64", field="max_child_depth")
 
 
 class Engine:
@@ -361,7 +365,7 @@ class Engine:
         machine, tr = RunMachine.start(
             run_id=run_id, definition=definition, input=input, now_ms=now,
             correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
-            resolve=self.catalog.resolve,
+            resolve=self.catalog.resolve, max_depth=self.config.max_child_depth,
         )
         w = store.RunWrite(
             run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
@@ -390,20 +394,26 @@ class Engine:
         return run_id, True
 
     def child_writes(self, effect: StartChildren, now: int) -> list[store.RunWrite]:
-        """The records of the child runs a `start_workflows` step creates (recursively)."""
+        """The records of the child runs a `start_workflows` step creates.
+
+        Created unbegun (`RunRecord.begun`): each child's own actor enters its
+        first step, in its own transaction. A child whose first step starts
+        children of its own thus adds one level per transaction, never a
+        recursion inside this one (a workflow starting itself once recursed
+        until Python gave up, and the start answered 500).
+        """
         writes = []
         for child in effect.children:
             machine, tr = RunMachine.start(
                 run_id=child.run_id, definition=effect.definition, input=child.input, now_ms=now,
                 correlation=effect.correlation,
                 parent={"run_id": effect.parent_run_id, "step_id": effect.step_id},
-                resolve=self.catalog.resolve,
+                resolve=self.catalog.resolve, depth=effect.depth, begin=False,
+                max_depth=self.config.max_child_depth,
             )
             writes.append(store.RunWrite(
                 run_id=child.run_id, record=machine.record.to_dict(), journal=tr.journal,
                 due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
-                children=[cw for e in tr.effects if isinstance(e, StartChildren)
-                          for cw in self.child_writes(e, now)],
             ))
             self.counters["runs_started"] += 1
         return writes
@@ -419,7 +429,8 @@ class Engine:
         definition = self.catalog.by_hash(record.definition_hash)
         if definition is None:
             raise NotFound(f"definition {record.definition_hash} of run {record.run_id} not found")
-        return RunMachine(record, definition, self.catalog.resolve)
+        return RunMachine(record, definition, self.catalog.resolve,
+                          max_depth=self.config.max_child_depth)
 
     def status(self, run_id: str) -> dict[str, Any]:
         """The run status (WORKFLOWS.md "Run status"), as last committed.

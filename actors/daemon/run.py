@@ -24,6 +24,7 @@ from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
 from stepd.engine.errors import Conflict, Invalid
 from stepd.engine.events import (
     AttemptOffered,
+    Begin,
     Cancel,
     CancelChildren,
     ChildFinished,
@@ -149,7 +150,8 @@ class RunActor(Actor):
             definition = e.catalog.by_hash(record.definition_hash)
             if definition is None:
                 raise LookupError(f"run {self.run_id}: definition {record.definition_hash} unknown")
-            self.machine = RunMachine(record, definition, e.catalog.resolve)
+            self.machine = RunMachine(record, definition, e.catalog.resolve,
+                                      max_depth=e.config.max_child_depth)
             tr = Transition()
         self.indexed_due = self.machine.next_deadline()
         self.indexed_active = not self.machine.idle()
@@ -159,6 +161,12 @@ class RunActor(Actor):
             failed = self.machine.handle(InternalFailure(give_up), self.clock.time_ms())
             await self._commit(failed)
             await self._effects(failed)
+        if not self.machine.record.begun and not self.machine.record.status.terminal:
+            # A child its parent created: enter its first step now, in its own
+            # transaction (`Begin`; the parent's held only the record).
+            begun = self.machine.handle(Begin(), self.clock.time_ms())
+            await self._commit(begun)
+            await self._effects(begun)
         await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr)

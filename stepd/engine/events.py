@@ -128,6 +128,11 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Begin:
+    """Enter the first step of a child run its parent created unbegun (`RunRecord.begun`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class InternalFailure:
     """The daemon gives up on the run: its actor crashed too often (a poison run).
 
@@ -153,6 +158,7 @@ Event = (
     | ChildFinished
     | Cancel
     | InternalFailure
+    | Begin
 )
 
 # --------------------------------------------------------------------------- effects
@@ -223,6 +229,7 @@ class StartChildren:
     definition: Any  # stepd.engine.definition.Definition (Any: no import cycle)
     children: tuple[ChildSpec, ...]
     correlation: Any = None
+    depth: int = 1  # the children's depth (the parent's plus one)
 
 
 @dataclass(frozen=True, slots=True)

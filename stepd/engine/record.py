@@ -167,8 +167,25 @@ class RunRecord:
     updated_at: int = 0
     deadline_at: int | None = None
     seq: int = 0  # last journal sequence number
+    #: 0 for a run started through the API; a child run is one deeper than its parent.
+    depth: int = 0
+    #: False for a child run created by its parent's transition but whose first
+    #: step is not entered yet: its own actor enters it (`Begin`), in its own
+    #: transaction, so a tree of child runs is built one level per transaction
+    #: instead of recursively inside the parent's.
+    begun: bool = True
 
     def to_dict(self) -> dict[str, Any]:
+        d = self._to_dict()
+        # Written only when not the default: the records of every top-level run,
+        # and of every run before these fields existed, stay as they were.
+        if self.depth:
+            d["depth"] = self.depth
+        if not self.begun:
+            d["begun"] = False
+        return d
+
+    def _to_dict(self) -> dict[str, Any]:
         return {
             "rv": RECORD_VERSION,
             "run_id": self.run_id,
@@ -235,4 +252,6 @@ class RunRecord:
             updated_at=d["updated_at"],
             deadline_at=d["deadline_at"],
             seq=d["seq"],
+            depth=d.get("depth", 0),
+            begun=d.get("begun", True),
         )

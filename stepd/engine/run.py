@@ -54,6 +54,7 @@ from .events import (
     AttemptSpec,
     AttemptStarted,
     AttemptUnservable,
+    Begin,
     Cancel,
     CancelChildren,
     ChildFinished,
@@ -91,6 +92,14 @@ MAX_SIGNAL_BYTES = 1 << 20
 #: this bounds what signals sent to a run that never waits for them can cost.
 MAX_BUFFERED_SIGNAL_BYTES = 8 << 20
 
+#: How deep child runs may nest by default (a run started through the API is
+#: depth 0); the daemon's `--max-child-depth` sets it.
+DEFAULT_MAX_CHILD_DEPTH = 10
+
+#: The longest run id (child ids grow with depth): LMDB keys hold 511 bytes,
+#: and the journal's keys add 9 to the run id.
+MAX_RUN_ID_BYTES = 400
+
 #: A run's token totals saturate here (2**62), well inside what storage holds.
 MAX_TOKEN_TOTAL = 1 << 62
 
@@ -116,13 +125,15 @@ def child_run_id(parent_run_id: str, step_id: str, visit: int, index: int) -> st
 class RunMachine:
     """One run's logic. Holds the record and the pinned definition; nothing else."""
 
-    __slots__ = ("record", "definition", "resolve")
+    __slots__ = ("record", "definition", "resolve", "max_depth")
 
     def __init__(
         self,
         record: RunRecord,
         definition: Definition,
         resolve: Resolver | None = None,
+        *,
+        max_depth: int = DEFAULT_MAX_CHILD_DEPTH,
     ) -> None:
         if definition.definition_hash != record.definition_hash:
             raise ValueError(
@@ -134,6 +145,9 @@ class RunMachine:
         #: Looks up the definition a `start_workflows` step names (an in-memory
         #: catalog lookup: pure). None: no child workflow can be started.
         self.resolve = resolve
+        #: The daemon-wide bound on nesting: a run at this depth may not start
+        #: children (its `start_workflows` fails the run, `max_child_depth`).
+        self.max_depth = max_depth
 
     # ------------------------------------------------------------------ creation
 
@@ -150,8 +164,11 @@ class RunMachine:
         deadline_ms: int | None = None,
         parent: dict[str, Any] | None = None,
         resolve: Resolver | None = None,
+        depth: int = 0,
+        begin: bool = True,
+        max_depth: int = DEFAULT_MAX_CHILD_DEPTH,
     ) -> tuple[RunMachine, Transition]:
-        """Create a run and enter its first step.
+        """Create a run and enter its first step (unless `begin` is False: see `Begin`).
 
         Raises:
             Invalid: `deadline_ms` is not a positive integer.
@@ -175,8 +192,10 @@ class RunMachine:
             parent=parent,
             updated_at=now_ms,
             deadline_at=None if deadline is None else now_ms + deadline,
+            depth=depth,
+            begun=begin,
         )
-        machine = cls(record, definition, resolve)
+        machine = cls(record, definition, resolve, max_depth=max_depth)
         tr = Transition()
         machine._journal(
             tr,
@@ -188,7 +207,8 @@ class RunMachine:
             idempotency_key=idempotency_key,
             parent_run_id=None if parent is None else parent["run_id"],
         )
-        machine._run_steps_from(0, tr, now_ms)
+        if begin:
+            machine._run_steps_from(0, tr, now_ms)
         return machine, tr
 
     # ------------------------------------------------------------------ queries
@@ -243,6 +263,8 @@ class RunMachine:
         r = self.record
         if r.status.terminal:
             return True
+        if not r.begun:
+            return False  # its actor must enter the first step
         f = r.frame
         if f is None:
             return True
@@ -502,7 +524,8 @@ class RunMachine:
         if r.status is RunStatus.WAITING and f is not None and f.event == ev.name:
             # Try the transition on a copy: a signal whose transition breaches a
             # budget is refused and nothing of it is kept (WORKFLOWS.md "Budgets").
-            trial = RunMachine(copy.deepcopy(r), self.definition, self.resolve)
+            trial = RunMachine(copy.deepcopy(r), self.definition, self.resolve,
+                               max_depth=self.max_depth)
             trial_tr = Transition()
             trial._consume_signal(ev.name, ev.payload, trial_tr, now)
             breach = next((e for e in trial_tr.journal if e["type"] == "budget_exceeded"), None)
@@ -569,6 +592,13 @@ class RunMachine:
 
     def _on_child_ignored(self, ev: ChildFinished, now: int) -> Transition:
         return Transition()
+
+    def _on_begin(self, ev: Begin, now: int) -> Transition:
+        tr = Transition()
+        if not self.record.begun:
+            self.record.begun = True
+            self._run_steps_from(0, tr, now)
+        return tr
 
     def _on_internal_failure(self, ev: InternalFailure, now: int) -> Transition:
         tr = Transition()
@@ -704,7 +734,19 @@ class RunMachine:
             # Checked before dispatching the group: no child is created.
             self._breach(("max_started_workflows", limit, total), step.id, tr, now)
             return None
+        if items and r.depth >= self.max_depth:
+            # The daemon-wide bound on nesting: with `max_started_workflows`, what
+            # keeps a workflow that starts itself from growing without end.
+            self._breach(("max_child_depth", self.max_depth, r.depth + 1), step.id, tr, now)
+            return None
         ids = [child_run_id(r.run_id, step.id, f.visit, i) for i in range(len(items))]
+        if ids and len(ids[-1].encode()) > MAX_RUN_ID_BYTES:
+            message = (f"the child run ids would be {len(ids[-1].encode())} bytes long, over "
+                       f"{MAX_RUN_ID_BYTES}: nest fewer levels or use shorter step ids")
+            self._journal(tr, now, "step_failed", step_id=step.id, error_class="child_id_too_long",
+                          message=message)
+            self._fail_run(ErrorReason.STEP_FAILED, message, step.id, tr, now)
+            return None
         if items:
             child_def = None if self.resolve is None else self.resolve(step.workflow, step.version)
             if child_def is None:
@@ -717,7 +759,7 @@ class RunMachine:
             tr.effects.append(StartChildren(
                 parent_run_id=r.run_id, step_id=step.id, definition=child_def,
                 children=tuple(ChildSpec(cid, item) for cid, item in zip(ids, items)),
-                correlation=r.correlation,
+                correlation=r.correlation, depth=r.depth + 1,
             ))
             for i, cid in enumerate(ids):
                 self._journal(tr, now, "child_started", step_id=step.id, item_index=i,
@@ -1153,6 +1195,7 @@ TRANSITIONS: dict[tuple[RunStatus, type], tuple[str, tuple[RunStatus, ...]]] = {
     (R, Cancel): ("_on_cancel", (X,)),
     (W, Cancel): ("_on_cancel", (X,)),
     (S, Cancel): ("_on_cancel", (X,)),
+    (R, Begin): ("_on_begin", (*_NEXT, T)),
     (R, InternalFailure): ("_on_internal_failure", (F,)),
     (W, InternalFailure): ("_on_internal_failure", (F,)),
     (S, InternalFailure): ("_on_internal_failure", (F,)),

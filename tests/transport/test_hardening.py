@@ -169,3 +169,46 @@ def test_numbers_that_could_overflow_a_run_are_refused_at_the_boundary(
     assert worker.call(lease, "complete", {"output": 1, "usage": {"input_tokens": 2**40}}
                        ).status_code == 200
     assert http.get(f"/v1/api/runs/{run_id}").json()["usage"]["input_tokens"] == 2**40
+
+
+def test_a_workflow_that_starts_itself_is_bounded_by_the_depth_limit(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`start_workflows` of its own workflow: 201, a tree one level per transaction, bounded.
+
+    Before the fix the start answered 500 (RecursionError): child runs were
+    created recursively inside the parent's transaction. Now each child's
+    actor enters its first step itself; at `--max-child-depth` a run fails
+    with budget_exceeded (max_child_depth), and the failure travels up.
+    """
+    d = start_daemon(tmp_path_factory.mktemp("depth") / "data", "--max-child-depth", "3")
+    try:
+        with d.client() as http:
+            name = unique("t1")
+            Worker(http, [{"name": name, "steps": [
+                {"id": "a", "kind": "start_workflows", "workflow": name, "items": [1, 2]}]}])
+            r = http.post("/v1/api/runs", json={"workflow": name, "input": None})
+            assert r.status_code == 201, r.text
+            root = r.json()["run_id"]
+            assert wait_result(http, root, timeout_s=30)["status"] == "failed"
+            level = [root]
+            total = 0
+            depth_breaches = 0
+            for depth in range(4):
+                nxt = []
+                for run_id in level:
+                    total += 1
+                    status = wait_result(http, run_id, timeout_s=30)
+                    # A leaf fails on the depth limit, unless a sibling's failure
+                    # reached their parent first and it cancelled the leaf.
+                    assert status["status"] in ("failed", "cancelled"), status
+                    error = status["error"] or {}
+                    if error.get("budget") == "max_child_depth":
+                        assert depth == 3 and error["reason"] == "budget_exceeded", status
+                        depth_breaches += 1
+                    nxt += [f"{run_id}.a.0", f"{run_id}.a.1"]
+                level = nxt
+            assert total == 15 and depth_breaches >= 1
+            for run_id in level:  # depth 4 was never created
+                assert http.get(f"/v1/api/runs/{run_id}").status_code == 404
+    finally:
+        d.stop()
