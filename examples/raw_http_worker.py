@@ -5,7 +5,9 @@
 It registers a two-step workflow, starts `--runs` runs of it, serves their
 steps by HTTP long-poll (claim, started, heartbeat, complete/fail) and answers
 every 409 by its reason as the PROTOCOL.md table says, then prints each run's
-result and exits. Nothing here imports stepd: other languages can copy it.
+result and exits. With no daemon at --url (or one that refuses it) it says so
+in one line on stderr and exits 1. Nothing here imports stepd: other languages
+can copy it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
+    try:
+        run(args)
+    except httpx.TransportError as exc:  # one line, not a traceback: nobody to talk to
+        sys.exit(f"error: no stepd daemon answers at {args.url} ({type(exc).__name__}: {exc}); "
+                 "start one with 'stepd serve --data DIR' or pass --url")
+    except httpx.HTTPStatusError as exc:  # e.g. 401: a daemon with keys and no --key
+        sys.exit(f"error: the daemon at {args.url} answered {exc.response.status_code} to "
+                 f"{exc.request.method} {exc.request.url.path}: {exc.response.text[:200]!r}")
+
+
+def run(args: argparse.Namespace) -> None:
     worker = Worker(args.url, args.key)
     names = [f"ada-{i}" for i in range(args.runs)]
     runs = [worker.post("/v1/api/runs", {"workflow": "raw_greet", "input": n}).json()["run_id"]

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator
 from typing import Any, Final, TypeVar
 
@@ -47,7 +48,10 @@ __all__ = [
     "client_options",
     "connect",
     "console",
+    "json_text",
     "json_value",
+    "one_line",
+    "printable",
     "sdk_errors",
 ]
 
@@ -72,10 +76,14 @@ EXIT_RUN_FAILED: Final = 7
 
 
 class CliError(click.ClickException):
-    """One line on stderr (``error: <message>``) and an exit code."""
+    """One line on stderr (``error: <message>``) and an exit code.
+
+    The message is made `printable`: it often quotes what a daemon, a worker or
+    an argument said, and none of that may drive the terminal.
+    """
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
-        super().__init__(one_line(message))
+        super().__init__(printable(one_line(message)))
         self.exit_code = code  # type: ignore[misc]  # click declares it on the class
 
     def show(self, file: Any = None) -> None:
@@ -85,6 +93,75 @@ class CliError(click.ClickException):
 def one_line(text: str) -> str:
     """Collapse whitespace (newlines included) so a message stays on one line."""
     return re.sub(r"\s+", " ", str(text)).strip()
+
+
+# --------------------------------------------------------------------------- terminal safety
+
+# What never reaches the terminal as itself: controls (C0, DEL, C1: ESC starts every
+# escape sequence, CR rewrites the line, BEL, ...), format characters (the bidi
+# overrides and isolates U+202A-U+202E and U+2066-U+2069 reorder what follows; the
+# zero-width ones make two different names look the same), lone surrogates (which
+# cannot even be encoded) and the line and paragraph separators.
+_UNSAFE_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_NAMED_ESCAPES: Final = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _unsafe(ch: str) -> bool:
+    return unicodedata.category(ch) in _UNSAFE_CATEGORIES
+
+
+def _escape(ch: str) -> str:
+    named = _NAMED_ESCAPES.get(ch)
+    if named is not None:
+        return named
+    code = ord(ch)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def printable(value: object) -> str:
+    """``str(value)`` safe to print: every control or format character escaped, visibly.
+
+    ESC becomes ``\\x1b``, CR ``\\r``, a newline ``\\n``, DEL ``\\x7f``, a C1
+    control ``\\x9b``, a bidi override ``\\u202e``; everything else (accents,
+    CJK, emoji) is left as it is. Every place the CLI prints data that came from
+    a worker, a client or the daemon goes through this (the rich renderers in
+    `stepd._cli_render` wrap it in `rich.text.Text`, which rich never reads as
+    markup), so a worker named ``\\x1b[2J`` cannot clear the screen and one
+    named ``[bold]x[/]`` prints as those characters.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():  # the common case, at C speed
+        return text
+    return "".join(_escape(ch) if _unsafe(ch) else ch for ch in text)
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # JSON spells a character beyond the BMP as a UTF-16 surrogate pair
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def json_text(value: Any, *, indent: int | None = 2) -> str:
+    """``value`` as JSON for stdout: readable (non-ASCII as itself) and terminal-safe.
+
+    ``json.dumps`` escapes the C0 controls inside strings but, with
+    ``ensure_ascii=False``, lets DEL, the C1 controls, bidi overrides and lone
+    surrogates through; those are written as ``\\uXXXX`` escapes here, which
+    every JSON parser reads back as the same characters. They can only occur
+    inside strings (JSON's own syntax is ASCII), so the escape is always valid.
+    """
+    text = json.dumps(value, indent=indent, ensure_ascii=False, default=str)
+    lines = text.split("\n")  # the only raw newlines are indentation: strings escape theirs
+    for i, line in enumerate(lines):
+        if not line.isprintable():
+            lines[i] = "".join(_json_escape(ch) if _unsafe(ch) else ch for ch in line)
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- options

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
-from stepd._cli_common import client_options, connect, console, sdk_errors
+from stepd._cli_common import client_options, connect, console, json_text, sdk_errors
 
 __all__ = ["actors", "workers"]
+
+
+def _kill(client: Any, path: str) -> dict[str, Any]:
+    """The kill answer: ``{"path", "restarted"}`` (a daemon before ``restarted``: ``{"path"}``).
+
+    `stepd.Client.kill_actor` returns None, and the answer says which siblings
+    the supervisor restarts with the killed actor, so the command sends the same
+    call through the client's backend. Use ``kill_actor``'s return value
+    instead once it returns the answer.
+    """
+    from stepd import _wire
+
+    answer = client._backend.send(_wire.kill_actor(path))
+    return answer if isinstance(answer, dict) else {}
 
 
 @click.command()
@@ -22,7 +35,7 @@ def workers(as_json: bool, url: str, key: str | None) -> None:
     with connect(url, key) as client, sdk_errors(url):
         found = client.workers()
     if as_json:
-        click.echo(json.dumps(found, indent=2))
+        click.echo(json_text(found))
         return
     out = console()
     if not found:
@@ -53,7 +66,7 @@ def actors(ctx: click.Context, as_json: bool, show_all: bool, url: str, key: str
     with connect(url, key) as client, sdk_errors(url):
         tree = client.actors()
     if as_json:
-        click.echo(json.dumps(tree, indent=2))
+        click.echo(json_text(tree))
         return
     out = console()
     out.print(actor_tree(tree, max_children=None if show_all else 50))
@@ -71,14 +84,19 @@ def actors(ctx: click.Context, as_json: bool, show_all: bool, url: str, key: str
 def kill(obj: dict[str, Any], path: str, url: str | None, key: str | None) -> None:
     """Kill the actor at PATH (fault injection, needs an admin key).
 
-    Its supervisor restarts it from storage, as after a crash: e.g.
-    ``stepd actors kill /runs/r_01J...``.
+    Its supervisor restarts it from storage, as after a crash, with the
+    siblings its strategy restarts along with it (rest_for_one: the ones
+    started after it); the output names them. E.g. ``stepd actors kill
+    /runs/r_01J...``. A run that is not loaded (passivated) has no actor:
+    the daemon's 404 message says so.
     """
     url = (url or obj["url"]).rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise click.BadParameter(f"must be an http:// or https:// URL, got {url!r}",
                                  param_hint="'--url'")
     key = key or obj["key"]
+    from stepd._cli_render import kill_message
+
     with connect(url, key) as client, sdk_errors(url):
-        client.kill_actor(path)
-    click.echo(f"killed {path}; its supervisor restarts it from storage")
+        answer = _kill(client, path)
+    click.echo(kill_message(path, answer))

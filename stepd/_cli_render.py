@@ -3,6 +3,13 @@
 Pure functions from the SDK's values (`RunStatus`, journal events as dicts,
 the actor tree as a dict) to rich objects or strings: no I/O, so the demo and
 the ``run`` commands share them and tests can call them directly.
+
+Everything shown here came from a worker, a client or the daemon, so none of
+it is trusted: every piece of data becomes a `rich.text.Text` through `safe`
+(`stepd._cli_common.printable` inside), never a plain ``str``, because rich
+reads a ``str`` cell or title as markup (``[bold red]x[/]`` would be styled,
+``[/]`` alone would raise) and passes escape sequences to the terminal as they
+are. Fixed labels are the only plain strings.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from stepd._cli_common import printable
 from stepd._runs import RunStatus, RunSummary
 
 __all__ = [
@@ -26,7 +34,9 @@ __all__ = [
     "event_detail",
     "journal_line",
     "journal_table",
+    "kill_message",
     "run_list_table",
+    "safe",
     "short_json",
     "status_view",
     "workers_table",
@@ -55,6 +65,17 @@ _EVENT_STYLE: Final = {
 }
 
 
+def safe(value: Any, style: str = "") -> Text:
+    """``value`` as terminal-safe text that rich never reads as markup (see the module doc)."""
+    if isinstance(value, Text):  # built here, from safe pieces
+        return value
+    return Text(printable(value), style=style)
+
+
+def _row(table: Table, *cells: Any, style: str = "") -> None:
+    table.add_row(*(safe(cell) for cell in cells), style=style)
+
+
 def short_json(value: Any, limit: int = 120) -> str:
     """Compact JSON, cut at ``limit`` characters."""
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
@@ -78,7 +99,7 @@ def _ms(at: int | None) -> str:
 
 
 def _status_text(status: str) -> Text:
-    return Text(status, style=STATUS_STYLE.get(status, ""))
+    return safe(status, style=STATUS_STYLE.get(status, ""))
 
 
 def _tokens(usage: Mapping[str, Any] | Any) -> str:
@@ -108,7 +129,7 @@ def budget_table(status: RunStatus) -> Table:
         style = ""
         if limit is not None and counter is not None and usage.get(counter, 0) > limit:
             style = "red"
-        table.add_row(name, "—" if limit is None else str(limit), used, style=style)
+        _row(table, name, "—" if limit is None else limit, used, style=style)
     return table
 
 
@@ -117,36 +138,36 @@ def status_view(status: RunStatus, *, full: bool = True) -> Group:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
-    grid.add_row("run", Text(status.run_id))
-    grid.add_row("workflow", status.workflow)
-    grid.add_row("status", _status_text(status.status))
-    grid.add_row("version", status.definition_version or "—")
-    grid.add_row("hash", status.definition_hash or "—")
-    grid.add_row("idempotency key", status.idempotency_key or "—")
+    _row(grid, "run", status.run_id)
+    _row(grid, "workflow", status.workflow)
+    _row(grid, "status", _status_text(status.status))
+    _row(grid, "version", status.definition_version or "—")
+    _row(grid, "hash", status.definition_hash or "—")
+    _row(grid, "idempotency key", status.idempotency_key or "—")
     if status.correlation is not None:
-        grid.add_row("correlation", short_json(status.correlation))
+        _row(grid, "correlation", short_json(status.correlation))
     if status.parent_run_id:
-        grid.add_row("parent run", status.parent_run_id)
-    grid.add_row("created", _when(status.created_at))
-    grid.add_row("updated", _when(status.updated_at))
+        _row(grid, "parent run", status.parent_run_id)
+    _row(grid, "created", _when(status.created_at))
+    _row(grid, "updated", _when(status.updated_at))
     if status.deadline_at is not None:
-        grid.add_row("deadline", _when(status.deadline_at))
+        _row(grid, "deadline", _when(status.deadline_at))
     if status.current_steps:
-        grid.add_row("current steps", ", ".join(status.current_steps))
+        _row(grid, "current steps", ", ".join(str(s) for s in status.current_steps))
     if status.waiting_for:
-        grid.add_row("waiting for", Text(f"signal {status.waiting_for!r}", style="yellow"))
+        _row(grid, "waiting for", safe(f"signal {status.waiting_for!r}", style="yellow"))
     if status.error is not None:
         where = f" at step {status.error.step_id!r}" if status.error.step_id else ""
-        grid.add_row("error", Text(f"{status.error.reason}{where}: {status.error.message}",
-                                   style="red"))
+        _row(grid, "error", safe(f"{status.error.reason}{where}: {status.error.message}",
+                                 style="red"))
     limit = 400 if full else 160
     if full:
-        grid.add_row("input", short_json(status.input, limit))
-        grid.add_row("state", short_json(dict(status.state), limit))
+        _row(grid, "input", short_json(status.input, limit))
+        _row(grid, "state", short_json(dict(status.state), limit))
     if status.done or status.result is not None:
         label = "result" if status.status == "completed" else "last output"
-        grid.add_row(label, short_json(status.result, limit))
-    grid.add_row("tokens", _tokens(status.usage))
+        _row(grid, label, short_json(status.result, limit))
+    _row(grid, "tokens", _tokens(status.usage))
     return Group(grid, Text(""), budget_table(status))
 
 
@@ -241,7 +262,8 @@ def journal_table(events: Sequence[Mapping[str, Any]], *, title: str | None = No
     """The journal as a timeline: time since the run started, event, step, attempt, worker."""
     names = _worker_names(events)
     start = events[0].get("at") if events else None
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table = Table(title=None if title is None else safe(title), title_justify="left",
+                  show_edge=False, pad_edge=False)
     table.add_column("seq", justify="right")
     table.add_column("+ms", justify="right")
     table.add_column("event", no_wrap=True)
@@ -251,11 +273,10 @@ def journal_table(events: Sequence[Mapping[str, Any]], *, title: str | None = No
     table.add_column("detail", overflow="fold", ratio=1)
     for e in events:
         at = e.get("at")
-        since = "" if at is None or start is None else f"{at - start}"
+        since = "" if not isinstance(at, int) or not isinstance(start, int) else f"{at - start}"
         kind = str(e.get("type", ""))
-        table.add_row(str(e.get("seq", "")), since, Text(kind, style=_EVENT_STYLE.get(kind, "")),
-                      _step(e), str(e.get("attempt", "")), _worker(e, names, with_id=False),
-                      event_detail(e))
+        _row(table, e.get("seq", ""), since, safe(kind, style=_EVENT_STYLE.get(kind, "")),
+             _step(e), e.get("attempt", ""), _worker(e, names, with_id=False), event_detail(e))
     return table
 
 
@@ -269,24 +290,25 @@ def journal_line(e: Mapping[str, Any], *, run: str = "", names: Mapping[str, str
         names: worker names by worker id (``step_offered`` events carry them).
         origin_ms: show times as seconds since this epoch-ms instant, else as UTC clock time.
     """
-    kind = str(e.get("type", ""))
+    kind = printable(e.get("type", ""))
     at = e.get("at")
     text = Text()
-    if origin_ms is not None and at is not None:
+    if origin_ms is not None and isinstance(at, int):
         text.append(f"{(at - origin_ms) / 1000:7.3f}s", style="dim")
     else:
-        text.append(_ms(at), style="dim")
+        text.append(_ms(at if isinstance(at, int) else None), style="dim")
     if run:
-        text.append(f"  {run:<3}", style="blue")
+        text.append(printable(f"  {run:<3}"), style="blue")
     text.append(f"  {kind:<16}", style=_EVENT_STYLE.get(kind, ""))
     step = _step(e)
     if e.get("attempt") is not None and kind.startswith("step_"):
         step += f" #{e['attempt']}"
-    text.append(f" {step:<20}")
+    text.append(printable(f" {step:<20}"))
     worker = _worker(e, names or {})
     detail = event_detail(e) if kind != "step_offered" else f"to {worker}"
     if detail:
-        text.append(f" {detail}", style="red" if kind in ("step_failed", "run_failed") else "dim")
+        text.append(printable(f" {detail}"),
+                    style="red" if kind in ("step_failed", "run_failed") else "dim")
     return text
 
 
@@ -302,8 +324,8 @@ def run_list_table(runs: Sequence[RunSummary]) -> Table:
     table.add_column("created (UTC)", no_wrap=True)
     table.add_column("updated (UTC)", no_wrap=True)
     for r in runs:
-        table.add_row(r.run_id, r.workflow, r.definition_version or "—", _status_text(r.status),
-                      _when(r.created_at, short=True), _when(r.updated_at, short=True))
+        _row(table, r.run_id, r.workflow, r.definition_version or "—", _status_text(r.status),
+             _when(r.created_at, short=True), _when(r.updated_at, short=True))
     return table
 
 
@@ -318,25 +340,30 @@ def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
     table.add_column("last heartbeat", no_wrap=True)
     for w in workers:
         connected = bool(w.get("connected"))
-        table.add_row(str(w.get("worker_id")), str(w.get("name") or ""),
-                      str(w.get("build_id") or "—"), str(w.get("concurrency", "")),
-                      Text("yes" if connected else "no", style="green" if connected else "dim"),
-                      str(len(w.get("leases") or [])), str(w.get("last_heartbeat_at") or "—"))
+        _row(table, w.get("worker_id"), w.get("name") or "", w.get("build_id") or "—",
+             w.get("concurrency", ""),
+             Text("yes" if connected else "no", style="green" if connected else "dim"),
+             len(w.get("leases") or []), w.get("last_heartbeat_at") or "—")
     return table
+
+
+def _int(value: Any) -> int:
+    """A count the daemon sent (0 when absent or not an integer)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _actor_label(node: Mapping[str, Any]) -> Text:
     state = str(node.get("state", ""))
     label = Text()
-    label.append(str(node.get("path", "?")), style="bold")
-    label.append(f"  {node.get('kind', '')}", style="cyan")
-    label.append(f"  {state}", style="green" if state == "running" else "yellow")
-    restarts = int(node.get("restarts") or 0)
+    label.append(printable(node.get("path", "?")), style="bold")
+    label.append(printable(f"  {node.get('kind', '')}"), style="cyan")
+    label.append(printable(f"  {state}"), style="green" if state == "running" else "yellow")
+    restarts = _int(node.get("restarts"))
     label.append(f"  restarts {restarts}", style="red" if restarts else "dim")
-    label.append(f"  mailbox {node.get('mailbox_depth', 0)}/{node.get('mailbox_size', '?')}",
-                 style="dim")
+    label.append(printable(f"  mailbox {node.get('mailbox_depth', 0)}/"
+                           f"{node.get('mailbox_size', '?')}"), style="dim")
     if node.get("timers"):
-        label.append(f"  timers {node['timers']}", style="dim")
+        label.append(printable(f"  timers {node['timers']}"), style="dim")
     return label
 
 
@@ -359,9 +386,32 @@ def actor_tree(root: Mapping[str, Any], *, max_children: int | None = 50) -> Tre
 
 def count_actors(root: Mapping[str, Any]) -> tuple[int, int]:
     """(actors, restarts) in the whole tree."""
-    actors, restarts = 1, int(root.get("restarts") or 0)
+    actors, restarts = 1, _int(root.get("restarts"))
     for child in root.get("children") or []:
         a, r = count_actors(child)
         actors += a
         restarts += r
     return actors, restarts
+
+
+def kill_message(path: str, answer: Mapping[str, Any]) -> str:
+    """What ``stepd actors kill PATH`` prints: what was killed and what its supervisor restarts.
+
+    The daemon answers ``{"path", "restarted": [the killed actor first, then the
+    siblings its supervisor restarts with it]}``: under ``rest_for_one`` killing
+    ``/registry`` also restarts the children started after it. A daemon that
+    predates ``restarted`` does not say; the message then does not claim that
+    the one actor restarts alone. The result is `printable`.
+    """
+    killed = answer.get("path") if isinstance(answer.get("path"), str) else path
+    restarted = answer.get("restarted")
+    if not isinstance(restarted, list):
+        return printable(f"killed {killed}; its supervisor restarts it from storage, with any "
+                         "siblings its strategy restarts along with it (this daemon does not "
+                         "say which)")
+    others = [str(p) for p in restarted if p != killed]
+    if not others:
+        return printable(f"killed {killed}; its supervisor restarts it from storage")
+    strategy = answer.get("strategy") if isinstance(answer.get("strategy"), str) else "rest_for_one"
+    return printable(f"killed {killed}; its supervisor restarts it and, with it ({strategy}), "
+                     f"{', '.join(others)}")

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 from typing import Any
 
 import click
 
 from stepd._cli_common import (
     EXIT_ERROR,
+    EXIT_USAGE,
     CliError,
     client_options,
     connect,
     console,
+    json_text,
     json_value,
+    printable,
     sdk_errors,
 )
 
@@ -23,7 +28,12 @@ _STATUSES = ("running", "waiting", "sleeping", "completed", "failed", "cancelled
 
 
 def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    click.echo(json_text(value))
+
+
+def _json_line(value: Any) -> None:
+    """One compact JSON document on one line, flushed at once (JSON Lines)."""
+    click.echo(json_text(value, indent=None))
 
 
 @click.group()
@@ -45,7 +55,8 @@ def run() -> None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS", help="with --wait: give up waiting after this long (exit 1)")
 @click.option("--json", "as_json", is_flag=True,
-              help='print {"run_id", "created"[, "status", "result"]} as JSON')
+              help='print {"run_id", "created"} as a JSON line; with --wait, then '
+                   '{"run_id", "created", "status", "result"} as a second one')
 @client_options
 def start(workflow: str, input_: str, idempotency_key: str | None, version: str | None,
           correlation: str | None, wait: bool, timeout: float | None, as_json: bool,
@@ -53,38 +64,50 @@ def start(workflow: str, input_: str, idempotency_key: str | None, version: str 
     """Start a run of WORKFLOW; print its run id (and with --wait, its result).
 
     With an idempotency key used before, the original run's id is printed
-    (and a note on stderr). With --wait, a run that fails, is cancelled or
-    times out exits 7 with its error.
+    (and a note on stderr). The id is printed before --wait waits, so it is
+    not lost when waiting fails (e.g. a key that may start runs but not read
+    them: exit 6). With --wait, a run that fails, is cancelled or times out
+    exits 7 with its error.
     """
     value = json_value(input_, "--input")
     corr = json_value(correlation, "--correlation")
     if timeout is not None and not wait:
         raise click.UsageError("--timeout needs --wait")
-    with connect(url, key) as client, sdk_errors(url):
-        handle = client.start(workflow, value, idempotency_key=idempotency_key,
-                              version=version, correlation=corr)
+    with connect(url, key) as client:
+        with sdk_errors(url):
+            handle = client.start(workflow, value, idempotency_key=idempotency_key,
+                                  version=version, correlation=corr)
+        run_id = printable(handle.run_id)
         if not handle.created:
-            click.echo(f"note: idempotency key {idempotency_key!r} was used before: "
-                       f"{handle.run_id} is the original run", err=True)
-        if not wait:
-            if as_json:
-                _dump({"run_id": handle.run_id, "created": handle.created})
-            else:
-                click.echo(handle.run_id)
-            return
-        if not as_json:
-            click.echo(handle.run_id)
-        with sdk_errors(url, run_id=handle.run_id):
-            try:
-                result = handle.result(timeout=timeout)
-            except TimeoutError as exc:
-                raise CliError(f"run {handle.run_id} is still running after {timeout:g} s "
-                               "(it goes on; see 'stepd run status')", EXIT_ERROR) from exc
+            click.echo(printable(f"note: idempotency key {idempotency_key!r} was used before: "
+                                 f"{handle.run_id} is the original run"), err=True)
+        # The id first, whatever follows: a script must learn which run it started even
+        # when waiting fails (a key without the read scope, the daemon going away).
         if as_json:
-            _dump({"run_id": handle.run_id, "created": handle.created, "status": "completed",
-                   "result": result})
+            _json_line({"run_id": handle.run_id, "created": handle.created})
         else:
-            _dump(result)
+            click.echo(run_id)
+        if not wait:
+            return
+        try:
+            with sdk_errors(url, run_id=handle.run_id):
+                try:
+                    result = handle.result(timeout=timeout)
+                except TimeoutError as exc:
+                    raise CliError(f"run {handle.run_id} is still running after {timeout:g} s "
+                                   "(it goes on; see 'stepd run status')", EXIT_ERROR) from exc
+        except CliError as exc:
+            if run_id in exc.message:  # the run's own end (exit 7), a timeout: it names the run
+                raise
+            # Waiting failed, not the run (exit 6: the key may start runs, not read them):
+            # say that the run exists and goes on.
+            raise CliError(f"{exc.message} (waiting for run {handle.run_id}, which was started "
+                           "and goes on)", exc.exit_code) from exc
+    if as_json:
+        _json_line({"run_id": handle.run_id, "created": handle.created, "status": "completed",
+                    "result": result})
+    else:
+        _dump(result)
 
 
 @run.command("status")
@@ -103,30 +126,122 @@ def status(run_id: str, as_json: bool, url: str, key: str | None) -> None:
     console().print(status_view(view))
 
 
+def _when_ms(text: str | None, flag: str) -> int | None:
+    """``--since``/``--until``: epoch ms, an ISO-8601 time, or a duration ago (``2h``).
+
+    Sent to the daemon as epoch ms, so what the CLI accepts does not depend on
+    the daemon's ISO-8601 parser. A time without an offset is UTC, as the CLI
+    shows every time in UTC.
+
+    Raises:
+        CliError: none of the three (exit 2).
+    """
+    if text is None:
+        return None
+    value = text.strip()
+    if value.isdigit():
+        return int(value)
+    if re.fullmatch(r"(\d+(ms|s|m|h|d))+", value):
+        from stepd.engine.durations import parse_duration
+        from stepd.engine.errors import Invalid
+
+        try:
+            ago = parse_duration(value, field=flag, allow_zero=True)
+        except Invalid as exc:
+            raise CliError(f"invalid {flag}: {text!r}: {exc.message}", EXIT_USAGE) from exc
+        now = datetime.datetime.now(datetime.UTC)
+        return (now - _EPOCH) // datetime.timedelta(milliseconds=1) - ago
+    try:
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise CliError(f"invalid {flag}: {text!r} is not epoch ms, an ISO-8601 time "
+                       "(2026-12-01T10:00:00Z) or a duration ago (30m, 2h, 7d)",
+                       EXIT_USAGE) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return (when - _EPOCH) // datetime.timedelta(milliseconds=1)
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def _correlation_filter(text: str | None) -> Any:
+    """``--correlation``: a JSON value; a text that is not JSON is that string.
+
+    That is the API's rule for its ``correlation`` parameter, so ``--correlation
+    T-42`` matches a run started with ``--correlation '"T-42"'``; ``@FILE`` and
+    ``-`` must hold JSON, as for every other JSON flag.
+    """
+    if text is None or text == "-" or text.startswith("@"):
+        return json_value(text, "--correlation")
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except ValueError:
+        return text
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 @run.command("list")
 @click.option("--workflow", default=None, metavar="W", help="only runs of this workflow")
 @click.option("--status", default=None, type=click.Choice(_STATUSES), help="only runs in this status")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, metavar="N",
-              help="show at most N runs")
-@click.option("--json", "as_json", is_flag=True, help="print the run summaries as JSON")
+@click.option("--since", default=None, metavar="WHEN",
+              help="only runs created after WHEN: epoch ms, an ISO-8601 time "
+                   "(2026-12-01T10:00:00Z; UTC without an offset) or a duration ago (2h, 7d)")
+@click.option("--until", default=None, metavar="WHEN",
+              help="only runs created before WHEN (as --since)")
+@click.option("--correlation", default=None, metavar="JSON",
+              help="only runs whose correlation is this JSON value (a text that is not JSON "
+                   "is a string); @FILE, or - for stdin")
+@click.option("--idempotency-key", default=None, metavar="K",
+              help="only the run started with this idempotency key")
+@click.option("--order", default=None, type=click.Choice(["desc", "asc"]),
+              help="desc: newest first (the default); asc: oldest first")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              metavar="N", help="show at most N runs (with --all: fetch N per request)")
+@click.option("--cursor", default=None, metavar="CURSOR",
+              help="continue after the runs a listing showed (it prints its cursor)")
+@click.option("--all", "all_", is_flag=True, help="follow the cursors to the last run")
+@click.option("--json", "as_json", is_flag=True,
+              help='print {"runs": [summaries], "next_cursor"} as JSON')
 @client_options
-def list_(workflow: str | None, status: str | None, limit: int, as_json: bool, url: str,
-          key: str | None) -> None:
-    """List runs, oldest first (the API's order), up to --limit."""
+def list_(workflow: str | None, status: str | None, since: str | None, until: str | None,
+          correlation: str | None, idempotency_key: str | None, order: str | None, limit: int,
+          cursor: str | None, all_: bool, as_json: bool, url: str, key: str | None) -> None:
+    """List runs, newest first, up to --limit (--all: every one).
+
+    A listing that stops before the last run prints the cursor to pass as
+    --cursor for the next runs.
+    """
+    from rich.text import Text
+
     from stepd._cli_render import run_list_table
 
+    filters: dict[str, Any] = {
+        "workflow": workflow, "status": status,
+        "created_after": _when_ms(since, "--since"), "created_before": _when_ms(until, "--until"),
+        "correlation": _correlation_filter(correlation), "idempotency_key": idempotency_key,
+        "order": order, "cursor": cursor,
+    }
     with connect(url, key) as client, sdk_errors(url):
-        runs = list(client.list_runs(workflow=workflow, status=status, limit=limit))
+        listing = client.list_runs(limit=None if all_ else limit, page_size=limit, **filters)
+        runs = list(listing)
     if as_json:
-        _dump([dict(r.raw) for r in runs])
+        _dump({"runs": [dict(r.raw) for r in runs], "next_cursor": listing.next_cursor})
         return
     out = console()
+    filtered = any(v is not None for k, v in filters.items() if k not in ("order", "cursor"))
     if not runs:
-        out.print("no runs" + (" match" if workflow or status else ""))
+        out.print("no runs" + (" match" if filtered else ""))
         return
     out.print(run_list_table(runs))
-    more = " (--limit shows more)" if len(runs) == limit else ""
-    out.print(f"{len(runs)} run{'s' if len(runs) != 1 else ''}, oldest first{more}", style="dim")
+    footer = (f"{len(runs)} run{'s' if len(runs) != 1 else ''}, "
+              f"{'oldest' if order == 'asc' else 'newest'} first")
+    if listing.next_cursor:
+        footer += f"; more: --cursor {listing.next_cursor} (or --all)"
+    out.print(Text(printable(footer), style="dim"), soft_wrap=True)  # the cursor stays whole
 
 
 @run.command("journal")
@@ -170,7 +285,7 @@ def signal(run_id: str, name: str, payload: str | None, url: str, key: str | Non
     value = json_value(payload, "--payload")
     with connect(url, key) as client, sdk_errors(url, run_id=run_id, signal=name):
         client.signal(run_id, name, value)
-    click.echo(f"signal {name!r} sent to {run_id}")
+    click.echo(printable(f"signal {name!r} sent to {run_id}"))
 
 
 @run.command("cancel")
@@ -180,4 +295,4 @@ def cancel(run_id: str, url: str, key: str | None) -> None:
     """Cancel a run: its running steps' leases end with run_terminal."""
     with connect(url, key) as client, sdk_errors(url, run_id=run_id):
         client.cancel(run_id)
-    click.echo(f"run {run_id} cancelled")
+    click.echo(printable(f"run {run_id} cancelled"))

@@ -73,7 +73,7 @@ class _Main(click.Group):
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
             hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-            click.echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+            click.echo(f"error: {_printable(_one_line(exc.format_message()))}{hint}", err=True)
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             exc.show()
@@ -89,7 +89,7 @@ class _Main(click.Group):
             if os.environ.get("STEPD_DEBUG"):
                 raise
             leaf = _leaf(exc)
-            click.echo(f"error: {type(leaf).__name__}: {_one_line(str(leaf))} "
+            click.echo(f"error: {type(leaf).__name__}: {_printable(_one_line(str(leaf)))} "
                        "(unexpected; set STEPD_DEBUG=1 for the traceback)", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -97,6 +97,13 @@ class _Main(click.Group):
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+def _printable(text: str) -> str:
+    """`stepd._cli_common.printable`: an argument or an error echoed must not drive the terminal."""
+    from stepd._cli_common import printable
+
+    return printable(text)
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -34,11 +34,14 @@ failure is raised as `Unavailable` (its cause is the transport's error).
 from __future__ import annotations
 
 import abc
+import collections
+import dataclasses
+import datetime
 import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self
 
@@ -50,6 +53,7 @@ from stepd._http1 import Http1Client, Http1Error, wants_httpx
 from stepd._errors import Unavailable, error_from_answer, run_error
 from stepd._runs import TERMINAL, RunStatus, RunSummary
 from stepd.actors import current_time
+from stepd.engine.canonical import canonical_json
 from stepd.engine.durations import Duration, parse_duration
 from stepd.engine.errors import Invalid
 
@@ -57,7 +61,7 @@ if TYPE_CHECKING:
     from stepd.embedded import Embedded
     from stepd.workflow import Workflow
 
-__all__ = ["AsyncClient", "AsyncRunHandle", "Client", "RunHandle"]
+__all__ = ["AsyncClient", "AsyncRunHandle", "AsyncRunList", "Client", "RunHandle", "RunList"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 3
@@ -156,6 +160,150 @@ def _embedded_of(target: Any) -> Embedded | None:
     if isinstance(target, Embedded):
         return target
     return None
+
+
+# --------------------------------------------------------------------------- list_runs
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_ORDERS = ("desc", "asc")
+
+
+def _created(value: int | str | datetime.datetime | None, field: str) -> int | str | None:
+    """A ``created_after``/``created_before`` bound as the API takes it: epoch ms or ISO-8601."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:  # local or UTC? refuse to guess
+            raise Invalid("must be a timezone-aware datetime", field=field)
+        return (value - _EPOCH) // datetime.timedelta(milliseconds=1)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise Invalid("must be epoch ms (an int), an ISO-8601 string or an aware datetime",
+                      field=field)
+    return value
+
+
+def _size(value: int | None, field: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise Invalid("must be an integer >= 1 or None", field=field)
+
+
+def _list_query(*, workflow: str | None, status: str | None,
+                created_after: int | str | datetime.datetime | None,
+                created_before: int | str | datetime.datetime | None, correlation: Any,
+                idempotency_key: str | None, order: str | None) -> dict[str, Any]:
+    """The filters of ``GET /v1/api/runs`` as query parameters (None: not sent).
+
+    ``correlation`` travels as its canonical JSON (the form the daemon compares),
+    so ``{"b": 1, "a": 2}`` and ``{"a": 2, "b": 1}`` find the same runs.
+
+    Raises:
+        Invalid: a bound, an order or a correlation the API cannot take.
+    """
+    if order is not None and order not in _ORDERS:
+        raise Invalid("must be 'desc' or 'asc'", field="order")
+    corr = None
+    if correlation is not None:
+        try:
+            corr = canonical_json(correlation).decode()
+        except Invalid as exc:
+            raise Invalid(exc.message, field="correlation") from exc
+    return {
+        "workflow": workflow,
+        "status": status,
+        "created_after": _created(created_after, "created_after"),
+        "created_before": _created(created_before, "created_before"),
+        "correlation": corr,
+        "idempotency_key": idempotency_key,
+        "order": order,
+    }
+
+
+def _list_call(query: dict[str, Any], page_size: int, cursor: str | None) -> _wire.Call:
+    base = _wire.list_runs(query["workflow"], query["status"], page_size, cursor)
+    return dataclasses.replace(base, query={**base.query, **query})
+
+
+class _Listing:
+    """What both run listings share: the paging arithmetic and ``next_cursor``."""
+
+    def __init__(self, query: dict[str, Any], limit: int | None, page_size: int | None,
+                 cursor: str | None) -> None:
+        self.next_cursor: str | None = cursor
+        self._query = query
+        self._left = limit
+        self._page_size = min(page_size or _wire.LIST_PAGE_MAX, _wire.LIST_PAGE_MAX)
+        self._buffer: collections.deque[dict[str, Any]] = collections.deque()
+        self._started = False
+
+    def _next_call(self) -> _wire.Call | None:
+        """The next page to fetch, or None when the listing is over."""
+        if self._left is not None and self._left <= 0:
+            return None
+        if self._started and self.next_cursor is None:
+            return None
+        self._started = True
+        size = self._page_size if self._left is None else min(self._left, self._page_size)
+        return _list_call(self._query, size, self.next_cursor)
+
+    def _take(self, page: dict[str, Any]) -> None:
+        runs = list(page["runs"])
+        if self._left is not None:
+            runs = runs[: self._left]  # never more than asked, even from a daemon that sends more
+            self._left -= len(runs)
+        self._buffer.extend(runs)
+        self.next_cursor = page.get("next_cursor") or None
+
+
+class RunList(_Listing, Iterator[RunSummary]):
+    """What `Client.list_runs` returns: an iterator of `RunSummary` that fetches pages as it goes.
+
+    A page may hold fewer runs than asked while more follow (the daemon bounds
+    the work one page costs); the iterator keeps fetching until ``limit`` runs
+    or the last one.
+
+    Attributes:
+        next_cursor: once the iteration has ended, the cursor of the runs after
+            the last one yielded (pass it as ``cursor=`` to go on), or None when
+            there are no more.
+    """
+
+    def __init__(self, send: Callable[[_wire.Call], dict[str, Any]], query: dict[str, Any],
+                 limit: int | None, page_size: int | None, cursor: str | None) -> None:
+        super().__init__(query, limit, page_size, cursor)
+        self._send = send
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> RunSummary:
+        while not self._buffer:
+            call = self._next_call()
+            if call is None:
+                raise StopIteration
+            self._take(self._send(call))
+        return RunSummary.from_json(self._buffer.popleft())
+
+
+class AsyncRunList(_Listing, AsyncIterator[RunSummary]):
+    """`RunList` for `AsyncClient`: ``async for run in client.list_runs(...)``."""
+
+    def __init__(self, send: Callable[[_wire.Call], Awaitable[dict[str, Any]]],
+                 query: dict[str, Any], limit: int | None, page_size: int | None,
+                 cursor: str | None) -> None:
+        super().__init__(query, limit, page_size, cursor)
+        self._send = send
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RunSummary:
+        while not self._buffer:
+            call = self._next_call()
+            if call is None:
+                raise StopAsyncIteration
+            self._take(await self._send(call))
+        return RunSummary.from_json(self._buffer.popleft())
 
 
 # --------------------------------------------------------------------------- backends
@@ -563,39 +711,52 @@ class Client:
         """
         self._backend.send(_wire.cancel(_run_id(run)))
 
-    def list_runs(self, workflow: str | None = None, status: str | None = None,
-                  limit: int | None = 100) -> Iterator[RunSummary]:
-        """Runs, oldest first, fetched page by page as you iterate.
+    def list_runs(
+        self,
+        workflow: str | None = None,
+        status: str | None = None,
+        limit: int | None = 100,
+        *,
+        created_after: int | str | datetime.datetime | None = None,
+        created_before: int | str | datetime.datetime | None = None,
+        correlation: Any = None,
+        idempotency_key: str | None = None,
+        order: str | None = None,
+        cursor: str | None = None,
+        page_size: int | None = None,
+    ) -> RunList:
+        """Runs, newest first unless ``order="asc"``, fetched page by page as you iterate.
+
+        Every filter is a query parameter of ``GET /v1/api/runs``; None leaves it out.
 
         Args:
             workflow: only this workflow's runs.
             status: only runs in this status.
             limit: stop after this many runs; None for all.
+            created_after, created_before: only runs created after / before this
+                instant: epoch ms, an ISO-8601 string (``"2026-12-01T10:00:00Z"``)
+                or a timezone-aware datetime.
+            correlation: only runs whose correlation is this JSON value (sent as
+                its canonical JSON); None does not filter.
+            idempotency_key: only the run started with this key.
+            order: ``"desc"`` (the daemon's default: newest first) or ``"asc"``.
+            cursor: start after an earlier listing (its `RunList.next_cursor`).
+            page_size: the most runs asked per request (default: up to 1000).
+
+        Returns:
+            A `RunList`: iterate it; afterwards its ``next_cursor`` says where
+            the next runs start.
 
         Raises:
-            Invalid: a bad status or limit (raised when iteration starts).
+            Invalid: a bad filter, limit or page size (a bad argument at once;
+                one the daemon refuses when iteration starts).
         """
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
-            raise Invalid("must be an integer >= 1 or None", field="limit")
-        return self._list_runs(workflow, status, limit)
-
-    def _list_runs(self, workflow: str | None, status: str | None,
-                   limit: int | None) -> Iterator[RunSummary]:
-        cursor: str | None = None
-        left = limit
-        while True:
-            page_size = _wire.LIST_PAGE_MAX if left is None else min(left, _wire.LIST_PAGE_MAX)
-            page = self._backend.send(_wire.list_runs(workflow, status, page_size, cursor))
-            for raw in page["runs"]:
-                yield RunSummary.from_json(raw)
-            if left is not None:
-                left -= len(page["runs"])
-                if left <= 0:
-                    return
-            cursor = page.get("next_cursor")
-            if not cursor:
-                return
+        _size(limit, "limit")
+        _size(page_size, "page_size")
+        query = _list_query(workflow=workflow, status=status, created_after=created_after,
+                            created_before=created_before, correlation=correlation,
+                            idempotency_key=idempotency_key, order=order)
+        return RunList(self._backend.send, query, limit, page_size, cursor)
 
     def workers(self) -> list[dict[str, Any]]:
         """Registered workers: id, name, build, whether connected, their leases."""
@@ -730,30 +891,27 @@ class AsyncClient:
         """`Client.cancel`."""
         await self._backend.send(_wire.cancel(_run_id(run)))
 
-    def list_runs(self, workflow: str | None = None, status: str | None = None,
-                  limit: int | None = 100) -> AsyncIterator[RunSummary]:
+    def list_runs(
+        self,
+        workflow: str | None = None,
+        status: str | None = None,
+        limit: int | None = 100,
+        *,
+        created_after: int | str | datetime.datetime | None = None,
+        created_before: int | str | datetime.datetime | None = None,
+        correlation: Any = None,
+        idempotency_key: str | None = None,
+        order: str | None = None,
+        cursor: str | None = None,
+        page_size: int | None = None,
+    ) -> AsyncRunList:
         """`Client.list_runs`, as an async iterator (``async for run in ...``)."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
-            raise Invalid("must be an integer >= 1 or None", field="limit")
-        return self._list_runs(workflow, status, limit)
-
-    async def _list_runs(self, workflow: str | None, status: str | None,
-                         limit: int | None) -> AsyncIterator[RunSummary]:
-        cursor: str | None = None
-        left = limit
-        while True:
-            page_size = _wire.LIST_PAGE_MAX if left is None else min(left, _wire.LIST_PAGE_MAX)
-            page = await self._backend.send(_wire.list_runs(workflow, status, page_size, cursor))
-            for raw in page["runs"]:
-                yield RunSummary.from_json(raw)
-            if left is not None:
-                left -= len(page["runs"])
-                if left <= 0:
-                    return
-            cursor = page.get("next_cursor")
-            if not cursor:
-                return
+        _size(limit, "limit")
+        _size(page_size, "page_size")
+        query = _list_query(workflow=workflow, status=status, created_after=created_after,
+                            created_before=created_before, correlation=correlation,
+                            idempotency_key=idempotency_key, order=order)
+        return AsyncRunList(self._backend.send, query, limit, page_size, cursor)
 
     async def workers(self) -> list[dict[str, Any]]:
         """`Client.workers`."""

@@ -99,11 +99,17 @@ class InProcess:
         """``POST /v1/api/runs`` -> ``{"run_id", "created"}``."""
         return await self._call(Operation.START_RUN, body=body)
 
-    async def list_runs(self, *, workflow: str | None = None, status: str | None = None,
-                        limit: int | None = None, cursor: str | None = None) -> dict[str, Any]:
-        """``GET /v1/api/runs`` -> ``{"runs", "next_cursor"}``."""
-        return await self._call(Operation.LIST_RUNS, query={
-            "workflow": workflow, "status": status, "limit": limit, "cursor": cursor})
+    async def list_runs(self, **query: Any) -> dict[str, Any]:
+        """``GET /v1/api/runs`` -> ``{"runs", "next_cursor"}``.
+
+        Every keyword is a query parameter, passed through as the HTTP
+        transport passes the URL's (None values left out): ``workflow``,
+        ``status``, ``created_after``, ``created_before``, ``correlation``,
+        ``idempotency_key``, ``order``, ``limit``, ``cursor``. The protocol
+        handler validates them, so both transports accept and refuse the same
+        parameters.
+        """
+        return await self._call(Operation.LIST_RUNS, query=query)
 
     async def get_run(self, run_id: str) -> dict[str, Any]:
         """``GET /v1/api/runs/{run}``: the run status."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 import stepd
 
-from .conftest import Cli, eventually
+from ._serve import ServeProcess
+from .conftest import ADMIN_KEY, Cli, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +43,7 @@ def test_actors_kill_restarts_the_actor_and_runs_go_on(cli: Cli, client: stepd.C
     before = restarts("/timers")
     r = cli("actors", "kill", "/timers")
     assert r.exit_code == 0, r.stderr
-    assert r.stdout.strip() == "killed /timers; its supervisor restarts it from storage"
+    assert r.stdout.startswith("killed /timers; its supervisor restarts it")
     eventually(lambda: restarts("/timers") > before, what="/timers restarted")
     # The daemon still runs work after the kill.
     assert client.start("cli_echo", {"after": "kill"}).result(timeout=20) == {
@@ -55,3 +57,57 @@ def test_actors_kill_errors(cli: Cli) -> None:
     root = cli("actors", "kill", "/")
     assert root.exit_code == 2
     assert root.stderr.startswith("error: invalid input: field 'path': ")
+
+
+REST = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+
+
+def test_kill_message_names_the_siblings_restarted_with_the_actor() -> None:
+    from stepd._cli_render import kill_message
+
+    assert kill_message("/registry", {"path": "/registry", "restarted": REST}) == (
+        "killed /registry; its supervisor restarts it and, with it (rest_for_one), "
+        "/runs, /leases, /timers, /recovery")
+    assert kill_message("/runs/r_x", {"path": "/runs/r_x", "restarted": ["/runs/r_x"]}) == (
+        "killed /runs/r_x; its supervisor restarts it from storage")
+    older = kill_message("/timers", {"path": "/timers"})  # a daemon without "restarted"
+    assert older.startswith("killed /timers; its supervisor restarts it from storage, with any "
+                            "siblings its strategy restarts")
+    hostile = kill_message("/x", {"path": "/x", "restarted": ["/x", "/y\x1b[2J"]})
+    assert "\x1b" not in hostile and hostile.endswith(r"/y\x1b[2J")
+
+
+def test_actors_kill_does_not_claim_the_actor_restarts_alone(cli: Cli, client: stepd.Client,
+                                                             daemon: ServeProcess) -> None:
+    r = cli("actors", "kill", "/timers")
+    assert r.exit_code == 0, r.stderr
+    out = r.stdout.strip()
+    # /timers is under the root's rest_for_one: /recovery, started after it, restarts too.
+    # A daemon that lists them says so; one that does not must not claim /timers goes alone.
+    assert out != "killed /timers; its supervisor restarts it from storage"
+    listed = "killed /timers; its supervisor restarts it and, with it (rest_for_one), /recovery"
+    assert out in (listed, kill_message_without_list("/timers")), out
+    # A path with no actor (a run that is over is passivated): the daemon's message, as is.
+    run = client.start("cli_echo", {"kill": "passivated"})
+    run.result(timeout=20)
+    path = f"/runs/{run.run_id}"
+
+    def paths(node: dict[str, object]) -> set[object]:
+        children = node.get("children") or []
+        assert isinstance(children, list)
+        return {node.get("path")}.union(*(paths(c) for c in children))
+
+    eventually(lambda: path not in paths(client.actors()), what=f"{path} passivated")
+    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                      timeout=10, trust_env=False) as http:
+        answer = http.post("/v1/api/actors/kill", json={"path": path})
+    assert answer.status_code == 404, answer.text
+    missing = cli("actors", "kill", path)
+    assert missing.exit_code == 3
+    assert missing.stderr == f"error: {answer.json()['message']}\n"
+
+
+def kill_message_without_list(path: str) -> str:
+    from stepd._cli_render import kill_message
+
+    return kill_message(path, {"path": path})

@@ -44,7 +44,9 @@ def test_start_reads_input_and_correlation_from_json_file_and_pins_the_version(
     r = cli("run", "start", "cli_echo", "--input", f"@{path}", "--version", "cli.v1",
             "--correlation", '{"ticket": "T-1"}', "--wait", "--json")
     assert r.exit_code == 0, r.stderr
-    out = json.loads(r.stdout)
+    first, last = r.stdout.splitlines()  # JSON lines: the run at once, then its end
+    out = json.loads(last)
+    assert json.loads(first) == {"run_id": out["run_id"], "created": True}
     assert out["created"] is True and out["status"] == "completed"
     assert out["result"] == {"echo": {"from": "file"}}
     s = cli("run", "status", out["run_id"], "--json")
@@ -86,7 +88,7 @@ def test_list_filters_by_workflow_and_status_and_limits(cli: Cli, client: stepd.
     assert r.exit_code == 0, r.stderr
     assert failed.run_id in r.stdout and "cli_fail" in r.stdout and "failed" in r.stdout
     assert "cli_echo" not in r.stdout
-    runs = json.loads(cli("run", "list", "--limit", "2", "--json").stdout)
+    runs = json.loads(cli("run", "list", "--limit", "2", "--json").stdout)["runs"]
     assert len(runs) == 2 and all(x["run_id"].startswith("r_") for x in runs)
     assert cli("run", "list", "--workflow", "nobody-runs-this").stdout.strip() == "no runs match"
 
