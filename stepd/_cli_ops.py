@@ -12,17 +12,8 @@ __all__ = ["actors", "workers"]
 
 
 def _kill(client: Any, path: str) -> dict[str, Any]:
-    """The kill answer: ``{"path", "restarted"}`` (a daemon before ``restarted``: ``{"path"}``).
-
-    `stepd.Client.kill_actor` returns None, and the answer says which siblings
-    the supervisor restarts with the killed actor, so the command sends the same
-    call through the client's backend. Use ``kill_actor``'s return value
-    instead once it returns the answer.
-    """
-    from stepd import _wire
-
-    answer = client._backend.send(_wire.kill_actor(path))
-    return answer if isinstance(answer, dict) else {}
+    """The kill answer: ``{"path", "restarted"}`` (`stepd.Client.kill_actor`)."""
+    return {"path": path, "restarted": client.kill_actor(path)}
 
 
 @click.command()

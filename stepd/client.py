@@ -774,17 +774,23 @@ class Client:
         """
         return dict(self._backend.send(_wire.actors())["tree"])
 
-    def kill_actor(self, path: str) -> None:
+    def kill_actor(self, path: str) -> list[str]:
         """Kill one actor (fault injection, admin scope); its supervisor restarts it.
 
         Not retried (a second kill would hit the restarted actor).
 
+        Returns:
+            The actors the supervisor restarts because of the kill, the killed
+            one first (``rest_for_one`` restarts its later siblings too).
+
         Raises:
-            NotFound: no actor runs at ``path`` (or it is being restarted).
+            NotFound: no actor runs at ``path`` (or it is being restarted; for a
+                passivated run the message says so).
             Invalid: ``path`` is not an actor path, or is the root.
             Unauthorized, Forbidden: the key is not an admin key.
         """
-        self._backend.send(_wire.kill_actor(path))
+        answer = self._backend.send(_wire.kill_actor(path))
+        return list(answer.get("restarted") or [path])
 
 
 class AsyncClient:
@@ -921,6 +927,7 @@ class AsyncClient:
         """`Client.actors`."""
         return dict((await self._backend.send(_wire.actors()))["tree"])
 
-    async def kill_actor(self, path: str) -> None:
+    async def kill_actor(self, path: str) -> list[str]:
         """`Client.kill_actor`."""
-        await self._backend.send(_wire.kill_actor(path))
+        answer = await self._backend.send(_wire.kill_actor(path))
+        return list(answer.get("restarted") or [path])

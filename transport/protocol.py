@@ -588,8 +588,8 @@ class Protocol:
             return Reply(200, {"tree": e.actors()})
         if op is Operation.KILL:
             path = parse_kill(body)
-            await e.kill(path)
-            return Reply(200, {"path": path})
+            restarted = await e.kill(path)
+            return Reply(200, {"path": path, "restarted": restarted})
         raise AssertionError(f"unhandled operation {op}")  # pragma: no cover
 
     # -- the operations that need more than one engine call --------------------------------

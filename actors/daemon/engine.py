@@ -698,23 +698,66 @@ class Engine:
     def actors(self) -> dict[str, Any]:
         return self.system.tree().to_dict()
 
-    async def kill(self, path: str) -> None:
+    async def kill(self, path: str) -> list[str]:
         """Kill one actor (fault injection); its supervisor restarts it from storage.
 
+        Returns:
+            The paths its supervisor restarts because of this kill, the killed
+            actor first: under the root's `rest_for_one`, killing ``/registry``
+            restarts every later sibling with it.
+
         Raises:
-            NotFound: no actor at that path.
+            NotFound: no actor at that path (the message says why when it can:
+                a passivated run has no actor until something wakes it).
             Invalid: the path is the root.
         """
         if not isinstance(path, str) or not path.startswith("/"):
             raise Invalid("must be an actor path such as /runs/r_...", field="path")
+        restarted = self._restarted_with(path)
         try:
             await self.system.kill(path)
         except ActorNotFound as exc:
-            raise NotFound(f"no actor at {path!r}") from exc
+            raise NotFound(self._no_actor(path)) from exc
         except ActorDead as exc:
             raise NotFound(f"no actor is running at {path!r} (it is being restarted)") from exc
         except ValueError as exc:
             raise Invalid(str(exc), field="path") from exc
+        return restarted
+
+    def _restarted_with(self, path: str) -> list[str]:
+        """What the kill of `path` restarts, by its supervisor's strategy (static siblings)."""
+        parent, _, name = path.rpartition("/")
+        try:
+            sup = self.system.supervisor(parent or "/")._supervisor()
+        except (ActorNotFound, ActorDead, TypeError):
+            return [path]
+        ids = [cid for cid, _ in sup.which_children()]
+        if name not in ids or sup.strategy is Strategy.ONE_FOR_ONE:
+            return [path]
+        prefix = parent if parent else ""
+        group = ids if sup.strategy is Strategy.ONE_FOR_ALL else ids[ids.index(name):]
+        return [path] + [f"{prefix}/{cid}" for cid in group if cid != name]
+
+    def _no_actor(self, path: str) -> str:
+        """Why nothing answers at `path`, in words an operator can act on."""
+        kind, _, ident = path.strip("/").partition("/")
+        if kind == "runs" and ident and "/" not in ident:
+            raw = self.storage.get(store.RUNS, ident)
+            if isinstance(raw, dict):
+                status = raw.get("status")
+                if status in ("completed", "failed", "cancelled", "timed_out"):
+                    return f"no actor at {path!r}: run {ident} is {status}; it has no actor"
+                return (f"no actor at {path!r}: run {ident} is {status} and passivated (asleep, "
+                        "no actor in memory); its timer, a signal or a child starts it again, "
+                        "and then it can be killed")
+            return f"no actor at {path!r}: there is no run {ident!r}"
+        if kind == "leases" and ident and "/" not in ident:
+            raw = self.storage.get(store.LEASES, ident)
+            if isinstance(raw, dict):
+                return (f"no actor at {path!r}: lease {ident} is {raw.get('status')}; only a live "
+                        "lease has an actor")
+            return f"no actor at {path!r}: there is no lease {ident!r}"
+        return f"no actor at {path!r}"
 
     async def registry_stats(self) -> Stats:
         try:

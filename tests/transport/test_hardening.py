@@ -212,3 +212,20 @@ def test_a_workflow_that_starts_itself_is_bounded_by_the_depth_limit(
                 assert http.get(f"/v1/api/runs/{run_id}").status_code == 404
     finally:
         d.stop()
+
+
+def test_killing_a_passivated_run_says_it_is_asleep(http: httpx.Client) -> None:
+    """`stepd actors kill /runs/<passivated run>` said only "no actor"; now it says why."""
+    name = unique()
+    Worker(http, [{"name": name, "steps": [{"id": "w", "kind": "wait", "event": "go"}]}])
+    run_id = start_run(http, name)
+    for _ in range(50):  # bounded: the waiting run passivates at once
+        r = http.post("/v1/api/actors/kill", json={"path": f"/runs/{run_id}"})
+        if r.status_code == 404:
+            break
+    assert r.status_code == 404, r.text
+    assert "passivated" in r.json()["message"] and "waiting" in r.json()["message"]
+    r = http.post("/v1/api/actors/kill", json={"path": "/runs/r_nosuchrun"})
+    assert r.status_code == 404 and "there is no run" in r.json()["message"]
+    r = http.post("/v1/api/actors/kill", json={"path": "/leases"})
+    assert r.json()["restarted"] == ["/leases", "/timers", "/recovery"]

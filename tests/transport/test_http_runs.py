@@ -335,7 +335,10 @@ def test_workers_and_actors(http: httpx.Client) -> None:
     r = http.post("/v1/api/actors/kill", json={"path": f"/runs/{run_id}"})
     assert r.status_code in (200, 404)  # the run may have passivated
     r = http.post("/v1/api/actors/kill", json={"path": "/registry"})
-    assert r.status_code == 200 and r.json() == {"path": "/registry"}
+    assert r.status_code == 200
+    # rest_for_one: the root restarts the registry and every later sibling with it.
+    assert r.json() == {"path": "/registry", "restarted": [
+        "/registry", "/runs", "/leases", "/timers", "/recovery"]}
     r = http.post("/v1/api/actors/kill", json={"path": "/no/such/actor"})
     assert r.status_code == 404
     r = http.post("/v1/api/actors/kill", json={"path": "registry"})
