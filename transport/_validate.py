@@ -14,6 +14,7 @@ Private to `stepd.transport.protocol`, which re-exports what transports use.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -471,3 +472,56 @@ def query_str(query: Mapping[str, Any], key: str) -> str | None:
     if not isinstance(raw, str):
         raise Invalid("must be a string", field=key)
     return raw
+
+
+_EPOCH_MS_MAX: Final = 2**63 - 1
+
+
+def query_time(query: Mapping[str, Any], key: str) -> int | None:
+    """A time query parameter as epoch ms: an integer, or an ISO-8601 timestamp
+    (``2026-12-01T10:00:00Z``; one without an offset is read as UTC).
+
+    Raises:
+        Invalid: neither, or out of range.
+    """
+    raw = query.get(key)
+    if raw is None:
+        return None
+    if isinstance(raw, str) and _DIGITS.fullmatch(raw) is None:
+        try:
+            when = datetime.datetime.fromisoformat(raw)
+        except ValueError:
+            raise Invalid("must be epoch milliseconds or an ISO-8601 timestamp such as "
+                          "2026-12-01T10:00:00Z", field=key) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        ms = (when - _EPOCH) // datetime.timedelta(milliseconds=1)
+        if not 0 <= ms <= _EPOCH_MS_MAX:
+            raise Invalid("must be a time after 1970-01-01", field=key)
+        return ms
+    return query_int(query, key, 0, minimum=0, maximum=_EPOCH_MS_MAX)
+
+
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def query_json(query: Mapping[str, Any], key: str) -> Any:
+    """A query parameter holding a JSON value other than null (text that is not
+    JSON is taken as a JSON string, so ``?correlation=T-42`` means ``"T-42"``).
+
+    Raises:
+        Invalid: JSON null, or a value storage could not hold.
+    """
+    raw = query.get(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        value = copy_json(raw)
+    else:
+        try:
+            value = decode_json(raw)
+        except Invalid:
+            value = raw
+    if value is None:
+        raise Invalid("must be a JSON value other than null", field=key)
+    return value

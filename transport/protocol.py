@@ -50,6 +50,7 @@ import anyio
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.actors.daemon import Engine, SignalRefused
 from stepd.actors.daemon import store as _store
+from stepd.actors.daemon.listing import Query as ListQuery
 from stepd.actors.daemon.store import InTxn
 from stepd.storage import StorageClosed, WriteTxn
 
@@ -86,7 +87,9 @@ from ._validate import (
     parse_start_run,
     parse_started,
     query_int,
+    query_json,
     query_str,
+    query_time,
 )
 from .audit import AuditAction, AuditEntry, AuditLog, append_txn
 from .auth import Forbidden, KeyRing, Need, Principal, Unauthorized, is_loopback_host
@@ -616,18 +619,29 @@ class Protocol:
         status = query_str(query, "status")
         if status is not None and status not in RUN_STATUSES:
             raise Invalid(f"must be one of {', '.join(sorted(RUN_STATUSES))}", field="status")
-        limit = query_int(query, "limit", 100, minimum=1, maximum=1000)
+        order = query_str(query, "order") or "desc"
+        if order not in ("desc", "asc"):
+            raise Invalid("must be desc (newest first) or asc", field="order")
+        key = query_str(query, "idempotency_key")
+        if key is not None and (not key or len(key.encode("utf-8", "surrogatepass")) > 256):
+            raise Invalid("must be a non-empty string of at most 256 bytes",
+                          field="idempotency_key")
         cursor = query_str(query, "cursor")
-        if cursor is not None and (
-            not is_run_id(cursor) or self.engine.storage.get(_store.RUNS, cursor) is None
-        ):
-            raise Invalid("must be a cursor returned by an earlier page", field="cursor")
-        runs, next_cursor = self.engine.list_runs(workflow=workflow, status=status, limit=limit,
-                                                  cursor=cursor)
+        if cursor is not None and not 0 < len(cursor) <= 2048:
+            raise Invalid("must be the next_cursor of an earlier page of the same query",
+                          field="cursor")
+        q = ListQuery(
+            workflow=workflow, status=status,
+            created_after=query_time(query, "created_after"),
+            created_before=query_time(query, "created_before"),
+            correlation=query_json(query, "correlation"), idempotency_key=key, order=order,
+            limit=query_int(query, "limit", 100, minimum=1, maximum=1000), cursor=cursor,
+        )
+        runs, next_cursor = self.engine.list_runs(q)
         for run in runs:
-            for key in ("created_at", "updated_at"):
-                if isinstance(run.get(key), int):
-                    run[key] = iso_ms(run[key])
+            for k in ("created_at", "updated_at"):
+                if isinstance(run.get(k), int):
+                    run[k] = iso_ms(run[k])
         return {"runs": runs, "next_cursor": next_cursor}
 
     def connected_workers(self) -> set[str]:
@@ -839,17 +853,6 @@ def _drain_into(samples: list[float], observe: Callable[[float], None]) -> None:
         if isinstance(value, (int, float)) and math.isfinite(value):
             observe(max(0.0, float(value)))
     del samples[:n]
-
-
-def _count_runs_txn(txn: Any) -> dict[str, int]:
-    counts = dict.fromkeys(sorted(RUN_STATUSES), 0)
-    for _, raw in txn.scan(_store.RUNS):
-        if isinstance(raw, dict):
-            status = raw.get("status")
-            if status in counts:
-                counts[status] += 1
-    return counts
-
 
 
 _AUDITED_IN_TXN: Final = frozenset({Operation.START_RUN, Operation.SIGNAL, Operation.CANCEL})

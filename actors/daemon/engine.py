@@ -60,7 +60,7 @@ from stepd.engine.record import RunRecord
 from stepd.engine.run import DEFAULT_MAX_CHILD_DEPTH, RunMachine
 from stepd.storage import Storage
 
-from . import ids, store
+from . import ids, listing, store
 from .catalog import Catalog, Registered, register_txn
 from .lease import CONFLICTS, LeaseActor
 from .messages import (
@@ -182,7 +182,8 @@ class Engine:
             catalog = Catalog()
             storage.read(catalog.load_txn)
             engine = cls(storage, catalog, config, clock)
-            engine.status_counts = storage.read(store.count_runs_txn)
+            await _index_old_runs(storage)
+            engine.status_counts = storage.read(listing.count_by_status_txn)
             root = Supervisor(
                 [
                     ChildSpec("registry", lambda: RegistryActor(engine._load_workers)),
@@ -470,39 +471,29 @@ class Engine:
             "spans": spans,
         }
 
-    def list_runs(
-        self, *, workflow: str | None = None, status: str | None = None, limit: int = 100,
-        cursor: str | None = None,
-    ) -> tuple[list[dict[str, Any]], str | None]:
-        """A page of run summaries, oldest first; `cursor` is the last run id seen."""
+    def list_runs(self, query: listing.Query | None = None, /,
+                  **filters: Any) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of run summaries (newest first by default) and the next page's cursor.
+
+        Costs O(limit): an index leads to the runs, and only their small
+        summaries are decoded (`listing`). Pass a `listing.Query`, or its fields
+        as keywords (``workflow=``, ``status=``, ``limit=``...).
+
+        Raises:
+            Invalid: the limit is out of range, or the cursor is not one of this query's.
+        """
+        if query is None:
+            query = listing.Query(**filters)
+        limit = query.limit
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise Invalid("must be an integer from 1 to 1000", field="limit")
-        start = None if cursor is None else cursor.encode() + b"\x00"
-        out: list[dict[str, Any]] = []
-        next_cursor = None
-        batch = 512
-        while True:
-            rows = self.storage.scan(store.RUNS, start=start, limit=batch)
-            for key, raw in rows:
-                if not isinstance(raw, dict):
-                    continue
-                if workflow is not None and raw["workflow"] != workflow:
-                    continue
-                if status is not None and raw["status"] != status:
-                    continue
-                out.append({
-                    "run_id": raw["run_id"], "workflow": raw["workflow"], "status": raw["status"],
-                    "definition_version": raw["version"], "definition_hash": raw["hash"],
-                    "idempotency_key": raw["idempotency_key"], "created_at": raw["created_at"],
-                    "updated_at": raw["updated_at"],
-                    "parent_run_id": (raw["parent"] or {}).get("run_id"),
-                })
-                if len(out) == limit:
-                    next_cursor = raw["run_id"]
-                    return out, next_cursor
-            if len(rows) < batch:
-                return out, None
-            start = rows[-1][0] + b"\x00"
+        page, cursor = self.storage.read(listing.list_txn, query)
+        return [{
+            "run_id": s["run_id"], "workflow": s["workflow"], "status": s["status"],
+            "definition_version": s["version"], "definition_hash": s["hash"],
+            "idempotency_key": s["idempotency_key"], "created_at": s["created_at"],
+            "updated_at": s["updated_at"], "parent_run_id": s["parent_run_id"],
+        } for s in page], cursor
 
     async def result(self, run_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
         """Wait until the run is terminal (at most `wait_ms`), then return its status."""
@@ -1040,6 +1031,18 @@ class PushSession:
         self._slots.close()  # leases() ends
         if leftover:
             self.engine.announce(tuple(leftover), front=True)
+
+
+async def _index_old_runs(storage: Storage) -> None:
+    """Give the runs of a data directory from before the listing's indexes their
+    entries, a slice per transaction (once: afterwards every run has its summary)."""
+    if storage.read(lambda t: t.count(store.RUNS) == t.count(store.RUN_SUMMARIES)):
+        return
+    after: bytes | None = None
+    while True:
+        after = await storage.write(listing.rebuild_txn, after, 1000)
+        if after is None:
+            return
 
 
 def created_ids(writes: list[store.RunWrite]) -> list[str]:

@@ -1,7 +1,7 @@
 """Identifiers: time-ordered, random, URL-safe (`r_01J...`, `l_01J...`, `w_01J...`).
 
-ULID layout (48 bits of milliseconds, 80 random bits, Crockford base32), so
-ids sort by creation time: a scan of the `runs` table lists runs oldest first
+ULID layout (48 bits of milliseconds, 80 random bits, Crockford base32,
+monotonic within the process), so ids sort by creation time: a scan of the `runs` table lists runs oldest first
 without an index. The time comes from the caller's clock, never read here.
 """
 
@@ -12,8 +12,21 @@ import os
 _ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
+_last = 0
+
+
 def ulid(time_ms: int) -> str:
+    """A ULID, monotonic within this process (the ULID spec's monotonic factory).
+
+    Two ids made in the same millisecond (or with a clock that stepped back)
+    still sort in the order they were made: the second is the first plus one.
+    Listings newest first rely on it, and so does anything that sorts by id.
+    """
+    global _last
     value = ((time_ms & 0xFFFF_FFFF_FFFF) << 80) | int.from_bytes(os.urandom(10), "big")
+    if value <= _last:
+        value = _last + 1
+    _last = value
     out = []
     for _ in range(26):
         out.append(_ALPHABET[value & 31])

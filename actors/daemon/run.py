@@ -373,6 +373,7 @@ class RunActor(Actor):
             due_new=due,
             active_old=self.indexed_active,
             active_new=active,
+            status_old=self._status,
             **extra,
         )
         for effect in tr.effects:

@@ -21,6 +21,9 @@ Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
 | definitions | definition hash | `{"json", "order", "registered_at"}` |
 | workers | worker id | registration |
 | run_crashes | run id | `{"at": [ms, ...], "error"}`: recent crashes of the run's actor |
+| run_summaries, idx_runs_* | see `listing` | the listing's summaries and indexes |
+
+Every table name is declared in `tables`.
 """
 
 from __future__ import annotations
@@ -35,20 +38,23 @@ from stepd.engine.record import slot_key
 from stepd.engine.status import TERMINAL_STATUSES, RunStatus
 from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, timer_key
 
+from . import listing
+from .tables import (  # re-exported: callers name them store.RUNS, ...
+    DISPATCH_KEYS,
+    EXTRA_TABLES,
+    IDX_ACTIVE,
+    INBOX,
+    JOURNAL,
+    LEASES,
+    RUN_CRASHES,
+    RUN_SUMMARIES,
+    RUNS,
+    TIMERS,
+    WORKERS,
+)
+
 InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
 """Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
-
-RUNS = "runs"
-JOURNAL = "journal"
-LEASES = "leases"
-DISPATCH_KEYS = "dispatch_keys"
-TIMERS = "timers"
-IDX_ACTIVE = "idx_active"
-INBOX = "inbox"
-WORKERS = "workers"
-RUN_CRASHES = "run_crashes"
-
-EXTRA_TABLES = (IDX_ACTIVE, INBOX, RUN_CRASHES)
 
 TIMER_TAG = b"run"
 
@@ -94,6 +100,7 @@ class RunWrite:
     active_old: bool = False
     active_new: bool = False
     create: bool = False  # the run must not exist yet
+    status_old: str | None = None  # the status before this write, when the writer knows it
     dispatch_key: str | None = None  # with create: the idempotency key to claim
     guard: LeaseGuard | None = None
     leases: list[dict[str, Any]] = field(default_factory=list)  # lease records to put
@@ -131,6 +138,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
             txn.put_raw(RUNS, w.run_id, w.record_raw)
         else:
             txn.put(RUNS, w.run_id, w.record)
+    listing.index_txn(txn, w.record, w.create, w.status_old,
+                      w.record.get("correlation") if w.create else None)
     for entry in w.journal:
         txn.put(JOURNAL, journal_key(w.run_id, entry["seq"]), entry)
     if w.due_old != w.due_new:
@@ -245,13 +254,6 @@ def inbox_txn(txn: ReadTxn, run_id: str) -> list[tuple[bytes, dict[str, Any]]]:
     return [(k, v) for k, v in txn.scan(INBOX, prefix=inbox_prefix(run_id)) if isinstance(v, dict)]
 
 
-def count_runs_txn(txn: ReadTxn) -> dict[str, int]:
-    """Runs by status (once, at open; transitions keep the counts current after)."""
-    counts: dict[str, int] = {}
-    for _, raw in txn.scan(RUNS):
-        if isinstance(raw, dict):
-            counts[raw["status"]] = counts.get(raw["status"], 0) + 1
-    return counts
 
 
 def run_is_terminal(raw: dict[str, Any]) -> bool:

@@ -1,10 +1,8 @@
 """``stepd run list`` and ``Client.list_runs``: filters, order, cursors (docs/cli.md "Runs").
 
-The tests that need the rebuilt listing API (``GET /v1/api/runs`` with
-``created_after``, ``created_before``, ``correlation``, ``idempotency_key`` and
-``order``, newest first by default) are skipped until it lands: flip
-`NEW_LISTING` to True then. The others pass against today's daemon, which
-already pages by cursor.
+``GET /v1/api/runs`` takes ``created_after``, ``created_before``,
+``correlation``, ``idempotency_key`` and ``order`` (newest first by default)
+and pages by an opaque cursor.
 """
 
 from __future__ import annotations
@@ -25,18 +23,13 @@ from .conftest import Cli
 
 pytestmark = pytest.mark.timeout(60)
 
-# The daemon side of the new listing (filters by time, correlation and idempotency key;
-# `order`, newest first by default) is the lead's change; set this to True once it is in.
-NEW_LISTING = False
-needs_new_listing = pytest.mark.skipif(not NEW_LISTING,
-                                       reason="needs the rebuilt GET /v1/api/runs (NEW_LISTING)")
 
 
 def _ids(stdout: str) -> list[str]:
     return [r["run_id"] for r in json.loads(stdout)["runs"]]
 
 
-# --------------------------------------------------------------------------- today's daemon
+# --------------------------------------------------------------------------- paging
 
 
 def test_list_json_is_the_api_page_and_its_cursor_goes_on(cli: Cli, client: stepd.Client) -> None:
@@ -127,7 +120,7 @@ def test_client_list_runs_checks_its_arguments(
         assert bad.value.field == field, kwargs
 
 
-# --------------------------------------------------------------------------- the new listing
+# --------------------------------------------------------------------------- filters and order
 
 
 @pytest.fixture
@@ -147,7 +140,6 @@ def _iso(when: datetime.datetime) -> str:
     return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
-@needs_new_listing
 def test_list_is_newest_first_and_asc_oldest_first(
         cli: Cli, three: tuple[str, list[stepd.RunStatus]]) -> None:
     token, runs = three
@@ -161,7 +153,6 @@ def test_list_is_newest_first_and_asc_oldest_first(
     assert plain.stdout.index(ids[2]) < plain.stdout.index(ids[0])
 
 
-@needs_new_listing
 def test_list_since_and_until(cli: Cli, three: tuple[str, list[stepd.RunStatus]]) -> None:
     token, runs = three
     created = [s.created_at for s in runs]
@@ -181,7 +172,6 @@ def test_list_since_and_until(cli: Cli, three: tuple[str, list[stepd.RunStatus]]
     assert len(_ids(recent.stdout)) == 3
 
 
-@needs_new_listing
 def test_list_by_correlation_and_idempotency_key(cli: Cli, client: stepd.Client,
                                                  three: tuple[str, list[stepd.RunStatus]]) -> None:
     token, runs = three
@@ -197,7 +187,6 @@ def test_list_by_correlation_and_idempotency_key(cli: Cli, client: stepd.Client,
     assert [r.run_id for r in client.list_runs(correlation=f"plain-{token}")] == [plain.run_id]
 
 
-@needs_new_listing
 def test_list_pages_with_cursor_and_all(cli: Cli, three: tuple[str, list[stepd.RunStatus]]) -> None:
     token, runs = three
     ids = [s.run_id for s in runs][::-1]

@@ -120,7 +120,7 @@ def test_list_runs_pages_and_workers(stack: Stack) -> None:
         for run in runs:
             run.result(timeout=20)
         listed = list(client.list_runs(workflow=name, limit=None))
-        assert [r.run_id for r in listed] == [r.run_id for r in runs]
+        assert [r.run_id for r in listed] == [r.run_id for r in reversed(runs)]  # newest first
         assert all(r.status == "completed" and r.done for r in listed)
         assert len(list(client.list_runs(workflow=name, limit=3))) == 3
         assert list(client.list_runs(workflow=name, status="failed")) == []

@@ -115,24 +115,32 @@ def test_list_with_filters_and_cursor(http: httpx.Client) -> None:
     name = unique()
     Worker(http, [task_def(name, "a")])
     ids = [start_run(http, name, i) for i in range(3)]
+    newest_first = sorted(ids, key=lambda i: (http.get(f"/v1/api/runs/{i}").json()["created_at"],
+                                              i), reverse=True)
     r = http.get("/v1/api/runs", params={"workflow": name, "limit": 2})
     assert r.status_code == 200
     page = r.json()
-    assert [x["run_id"] for x in page["runs"]] == ids[:2]
+    assert [x["run_id"] for x in page["runs"]] == newest_first[:2]
     assert page["next_cursor"]
     summary = page["runs"][0]
     assert summary["workflow"] == name and summary["status"] == "running"
     assert re.fullmatch(r"\d{4}-.*Z", summary["created_at"])
     r = http.get("/v1/api/runs",
                  params={"workflow": name, "limit": 2, "cursor": page["next_cursor"]})
-    assert [x["run_id"] for x in r.json()["runs"]] == ids[2:]
+    assert [x["run_id"] for x in r.json()["runs"]] == newest_first[2:]
     assert r.json()["next_cursor"] is None
+    r = http.get("/v1/api/runs", params={"workflow": name, "order": "asc"})
+    assert [x["run_id"] for x in r.json()["runs"]] == newest_first[::-1]
     assert http.post(f"/v1/api/runs/{ids[1]}/cancel").status_code == 200
     r = http.get("/v1/api/runs", params={"workflow": name, "status": "cancelled"})
     assert [x["run_id"] for x in r.json()["runs"]] == [ids[1]]
     for params, field in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"),
                           ({"status": "sleepy"}, "status"), ({"cursor": "bogus"}, "cursor"),
-                          ({"cursor": "r_01JDV5Z8Q3X4M6N7P8R9S0T1U2"}, "cursor")):
+                          ({"cursor": "r_01JDV5Z8Q3X4M6N7P8R9S0T1U2"}, "cursor"),
+                          ({"order": "up"}, "order"), ({"created_after": "yesterday"},
+                                                       "created_after"),
+                          ({"correlation": "null"}, "correlation"),
+                          ({"status": "running", "cursor": page["next_cursor"]}, "cursor")):
         r = http.get("/v1/api/runs", params=params)
         assert r.status_code == 400 and r.json()["field"] == field, (params, r.text)
 
