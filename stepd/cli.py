@@ -159,6 +159,8 @@ def main() -> None:
 @_option("max-child-depth", type=click.IntRange(0, 64), default=10, show_default=True,
          help="how deep child runs may nest (start_workflows); deeper fails the run "
               "(budget_exceeded, max_child_depth)")
+@_option("worker-expiry-ms", type=click.IntRange(min=0), default=600_000, show_default=True,
+         help="forget a worker with no connection, claim or live lease for this long (0: never)")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:

@@ -85,6 +85,8 @@ class ServeConfig:
         gc: ``tuned`` (`stepd.gc_policy.tune_gc` at startup) or ``default``
             (CPython's collector settings, untouched).
         max_child_depth: how deep child runs may nest (`start_workflows`).
+        worker_expiry_ms: forget a worker with no connection, claim or live
+            lease for this long (0: never).
         unsafe_no_sync: commit without fsync. Loses acknowledged work on a
             power cut; it exists so the power-loss test has a control that can
             fail (tests/campaign), never for production.
@@ -113,6 +115,7 @@ class ServeConfig:
     gc: str = "tuned"
     unsafe_no_sync: bool = False
     max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
+    worker_expiry_ms: int = 600_000
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -136,6 +139,7 @@ class ServeConfig:
             lease_ttl_ms=self.lease_ttl_ms, heartbeat_ms=self.heartbeat_ms,
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
+            worker_expiry_ms=self.worker_expiry_ms,
         )
         config.check()
         return config

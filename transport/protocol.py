@@ -654,7 +654,9 @@ class Protocol:
         return connected
 
     def _workers(self) -> list[dict[str, Any]]:
-        connected = self.connected_workers()
+        """Connected workers first, then the most recently active."""
+        connected = self.connected_workers() | self.engine.connected_workers()
+        active = self.engine.worker_active
         out = []
         for info in self.engine.workers():
             info = dict(info)
@@ -662,6 +664,7 @@ class Protocol:
             seen = info.get("last_heartbeat_at")
             info["last_heartbeat_at"] = None if seen is None else iso_ms(seen)
             out.append(info)
+        out.sort(key=lambda w: (not w["connected"], -active.get(w["worker_id"], 0)))
         return out
 
     # ------------------------------------------------------------------ audit

@@ -23,6 +23,7 @@ transports (HTTP, WebSocket, in-process) are thin adapters over them.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -69,6 +70,7 @@ from .messages import (
     CancelWait,
     Claim,
     EndLease,
+    ForgetWorkers,
     LeaseCall,
     ReleaseLease,
     Offer,
@@ -82,6 +84,8 @@ from .recovery import RecoveryActor
 from .registry import RegistryActor, Stats, Waiter, WorkerInfo
 from .run import RunActor, walk_writes
 from .timers import TimerActor, TimerIndexChanged
+
+log = logging.getLogger("stepd.daemon")
 
 PROTOCOL_VERSION = "1.20"
 
@@ -105,6 +109,9 @@ class EngineConfig:
     recovery_window_ms: int = 5_000
     max_request_ms: int = 30_000
     max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
+    #: A worker with no connection, no claim and no live lease for this long is
+    #: forgotten (0: never). Journals keep its id.
+    worker_expiry_ms: int = 600_000
     sync: bool = True  # False only for benchmark comparison: unsafe
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
@@ -124,6 +131,10 @@ class EngineConfig:
             raise Invalid("must be an integer >= 0 (milliseconds)", field="recovery_window_ms")
         if self.heartbeat_ms >= self.lease_ttl_ms:
             raise Invalid("must be less than lease_ttl_ms", field="heartbeat_ms")
+        expiry = self.worker_expiry_ms
+        if isinstance(expiry, bool) or not isinstance(expiry, int) or expiry < 0:
+            raise Invalid("must be an integer >= 0 (milliseconds; 0: never)",
+                          field="worker_expiry_ms")
         depth = self.max_child_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 64:
             raise Invalid("must be an integer from 0 to 64", field="max_child_depth")
@@ -145,6 +156,11 @@ class Engine:
         self.live_leases: dict[str, LeaseRecord] = {}
         #: When each worker last called on a lease (epoch ms).
         self.worker_seen: dict[str, int] = {}
+        #: When each worker last did anything (registered, claimed, connected,
+        #: called on a lease): what `expire_workers` judges idleness by.
+        self.worker_active: dict[str, int] = {}
+        #: HTTP claims in flight, by worker (a long-polling worker is connected).
+        self._claiming: dict[str, int] = {}
         #: When each live lease last had a call: a killed lease actor's
         #: successor keeps counting its expiry from there.
         self.lease_touched: dict[str, int] = {}
@@ -184,6 +200,8 @@ class Engine:
             engine = cls(storage, catalog, config, clock)
             await _index_old_runs(storage)
             engine.status_counts = storage.read(listing.count_by_status_txn)
+            now = clock.time_ms()  # every known worker gets a full expiry window after a restart
+            engine.worker_active = {k.decode(): now for k, _ in storage.scan(store.WORKERS)}
             root = Supervisor(
                 [
                     ChildSpec("registry", lambda: RegistryActor(engine._load_workers)),
@@ -267,6 +285,7 @@ class Engine:
         added = await self.storage.write(txn)
         for reg in added:
             self.catalog.add(reg)
+        self.touch_worker(worker_id)
         # A registry that is restarting reloads this worker from the table.
         self._tell_registry(RegisterWorker(worker_id, name, frozenset(keys)))
         return {
@@ -548,6 +567,20 @@ class Engine:
             raise NotFound(f"worker {worker_id!r} is not registered")
         if self.closing:
             return []
+        self._claiming[worker_id] = self._claiming.get(worker_id, 0) + 1
+        self.touch_worker(worker_id)
+        try:
+            return await self._claim(worker_id, info, max, wait_ms, run_id)
+        finally:
+            left = self._claiming[worker_id] - 1
+            if left:
+                self._claiming[worker_id] = left
+            else:
+                del self._claiming[worker_id]
+            self.touch_worker(worker_id)
+
+    async def _claim(self, worker_id: str, info: dict[str, Any], max: int, wait_ms: int,
+                     run_id: str | None) -> list[dict[str, Any]]:
         hold_s = min(wait_ms, self.config.claim_hold_ms) / 1000
         deadline = anyio.current_time() + hold_s
         while True:
@@ -661,7 +694,60 @@ class Engine:
             raise NotFound(f"worker {worker_id!r} is not registered")
         session = PushSession(self, worker_id, info["name"])
         self._sessions.add(session)
+        self.touch_worker(worker_id)
         return session
+
+    def touch_worker(self, worker_id: str) -> None:
+        """The worker did something: its expiry window starts again."""
+        self.worker_active[worker_id] = self.clock.time_ms()
+
+    def connected_workers(self) -> set[str]:
+        """Workers with a push session (WebSocket, in process) or a claim in flight."""
+        out = set(self._claiming) | set(self._cancel_listeners)
+        out.update(s.worker_id for s in self._sessions if not s.closed)
+        return out
+
+    async def expire_workers(self) -> list[str]:
+        """Forget the workers idle past `worker_expiry_ms`: no connection, no claim in
+        flight, no live lease. Their journal entries keep their ids; one that comes
+        back registers anew (the SDK does, on the 404 its old id gets).
+
+        Returns:
+            The ids forgotten.
+        """
+        ttl = self.config.worker_expiry_ms
+        if ttl <= 0:
+            return []
+        cutoff = self.clock.time_ms() - ttl
+        busy = self.connected_workers()
+        busy.update(rec.worker_id for rec in list(self.live_leases.values()) if rec.status.live)
+        idle = [wid for wid, at in self.worker_active.items() if at < cutoff and wid not in busy]
+        if not idle:
+            return []
+        # Each as seen now: one that registers again before the delete commits has
+        # a new `registered_at`, and is kept.
+        seen = {wid: (raw.get("registered_at") if isinstance(raw, dict) else None)
+                for wid in idle for raw in (self.storage.get(store.WORKERS, wid),)}
+
+        def forget_txn(t: Any) -> list[str]:
+            out = []
+            for wid, registered_at in seen.items():
+                raw = t.get(store.WORKERS, wid)
+                if isinstance(raw, dict) and raw.get("registered_at") == registered_at:
+                    t.delete(store.WORKERS, wid)
+                    out.append(wid)
+            return out
+
+        gone = await self.storage.write(forget_txn)
+        for wid in idle:
+            if self.worker_active.get(wid, cutoff) < cutoff:  # not back meanwhile
+                self.worker_active.pop(wid, None)
+                self.worker_seen.pop(wid, None)
+        self._tell_registry(ForgetWorkers(tuple(idle)))
+        if gone:
+            log.info("forgot %d idle worker(s) (no connection, claim or lease for %d ms): %s",
+                     len(gone), ttl, ", ".join(gone[:10]) + (" ..." if len(gone) > 10 else ""))
+        return gone
 
     def resubscribe_sessions(self) -> None:
         """After a registry restart: park every push session's remaining credit again."""
@@ -1022,6 +1108,7 @@ class PushSession:
         self.waiter.credit = 0
         self.engine._tell_registry(CancelWait(self.waiter))
         self.engine._sessions.discard(self)
+        self.engine.touch_worker(self.worker_id)
         leftover: list[AttemptSpec] = []
         while True:
             try:

@@ -134,6 +134,7 @@ class LeaseActor(Actor):
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         now = self.clock.time_ms()
         self.engine.worker_seen[rec.worker_id] = now
+        self.engine.worker_active[rec.worker_id] = now
         self.engine.lease_touched[rec.lease_id] = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
         if revived:

@@ -148,6 +148,13 @@ class RegisterWorker:
 
 
 @dataclass(frozen=True, slots=True)
+class ForgetWorkers:
+    """Workers expired for idleness (`Engine.expire_workers`): route nothing to them."""
+
+    worker_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Claim:
     """Take up to `max` runnable slots for this worker; with `waiter`, park if none."""
 

@@ -28,6 +28,7 @@ from .messages import (
     Announce,
     CancelWait,
     Claim,
+    ForgetWorkers,
     RegisterWorker,
     RegistryStats,
     ReturnSpecs,
@@ -119,6 +120,10 @@ class RegistryActor(Actor):
                 message.worker_id, message.name, message.keys
             )
             self._rematch()
+            return None
+        if isinstance(message, ForgetWorkers):
+            for wid in message.worker_ids:
+                self.workers.pop(wid, None)
             return None
         if isinstance(message, RegistryStats):
             return Stats(len(self.workers), len(self.queued), len(self.waiting))

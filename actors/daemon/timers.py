@@ -1,5 +1,7 @@
 """The timer index actor: wakes passivated runs when their next deadline comes.
 
+(It also forgets idle workers, on a timer of its own: `WorkersDue`.)
+
 Active run actors keep their own timers. A passivated run has no actor, so its
 next deadline lives in the durable `timers` table (written by the same
 transaction that passivated it). This actor sleeps until the earliest entry,
@@ -35,6 +37,16 @@ class TimerIndexChanged:
     """A poke: take the engine's timer hint."""
 
 
+@dataclass(frozen=True, slots=True)
+class WorkersDue:
+    """Time to forget the workers idle past their expiry (`Engine.expire_workers`)."""
+
+
+#: How often idle workers are looked for: a quarter of the expiry, within 1 s .. 60 s.
+def workers_sweep_s(expiry_ms: int) -> float:
+    return min(60.0, max(1.0, expiry_ms / 4000))
+
+
 #: Wake at most this many runs per turn, so a burst of due timers does not hold
 #: the actor (and its mailbox) for long; the next turn follows at once.
 BATCH = 256
@@ -61,10 +73,15 @@ class TimerActor(Actor):
     async def on_start(self) -> None:
         self.engine.take_timer_hint()  # the scan covers it: hints are committed first
         self._rearm(settle=False)
+        self._arm_workers()
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, Due):
             await self._sweep()
+        elif isinstance(message, WorkersDue):
+            await self.engine.expire_workers()
+            self._arm_workers()
+            return None
         elif not isinstance(message, TimerIndexChanged):
             raise TypeError(f"timers: unexpected message {message!r}")
         hint = self.engine.take_timer_hint()
@@ -112,6 +129,11 @@ class TimerActor(Actor):
         if settle and due <= now:
             due = now + SETTLE_MS  # woken runs are still moving their entries
         self._arm_at(due)
+
+    def _arm_workers(self) -> None:
+        expiry = self.engine.config.worker_expiry_ms
+        if expiry > 0:
+            self.arm_timer("workers", self.clock.now() + workers_sweep_s(expiry), WorkersDue())
 
     def _arm_at(self, due_ms: int) -> None:
         clock = self.clock

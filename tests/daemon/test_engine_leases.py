@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine
+from stepd.actors.daemon import Engine, EngineConfig
 
 from stepd.engine.errors import AlreadyApplied, Fenced, NotFound, NotStarted, RunTerminal
 from stepd.engine.lease import Op
@@ -31,7 +31,10 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 async def engine(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Engine]:
-    async with Engine.open(str(tmp_path / "data"), clock=clock) as e:
+    # These tests jump the clock by hours while their worker makes no call (a
+    # real one long-polls all along): workers are never forgotten here.
+    config = EngineConfig(worker_expiry_ms=0)
+    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as e:
         yield e
 
 

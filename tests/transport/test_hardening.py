@@ -6,6 +6,7 @@ on 127.0.0.1 with raw HTTP and raw WebSocket clients.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -229,3 +230,28 @@ def test_killing_a_passivated_run_says_it_is_asleep(http: httpx.Client) -> None:
     assert r.status_code == 404 and "there is no run" in r.json()["message"]
     r = http.post("/v1/api/actors/kill", json={"path": "/leases"})
     assert r.json()["restarted"] == ["/leases", "/timers", "/recovery"]
+
+
+def test_idle_workers_are_forgotten_and_connected_ones_listed_first(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """515 registered workers stayed listed forever, 2 connected; now idle ones expire."""
+    d = start_daemon(tmp_path_factory.mktemp("expiry") / "data", "--worker-expiry-ms", "500")
+    try:
+        with d.client() as http, ws_connect(d) as conn:
+            name = unique()
+            idle = [Worker(http, [task_def(name, "a")]).worker_id for _ in range(30)]
+            ws = WsWorker(conn)
+            live = ws.request("register", name="live", definitions=[task_def(name, "a")])
+            listed = http.get("/v1/api/workers").json()["workers"]
+            assert listed[0]["worker_id"] == live["worker_id"] and listed[0]["connected"]
+            for _ in range(100):  # bounded: the sweep runs every second
+                listed = http.get("/v1/api/workers").json()["workers"]
+                if len(listed) == 1:
+                    break
+                ws.request("heartbeat", lease_id="l_01JDV5Z8Q3X4M6N7P8R9S0T1U2")  # stays busy
+                time.sleep(0.05)
+            assert [w["worker_id"] for w in listed] == [live["worker_id"]]
+            r = http.post("/v1/api/steps/claim", json={"worker_id": idle[0]})
+            assert r.status_code == 404  # forgotten: it must register again
+    finally:
+        d.stop()
