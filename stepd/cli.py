@@ -152,6 +152,8 @@ def main() -> None:
          help="WebSocket keepalive ping interval")
 @_option("ws-ping-timeout-ms", type=click.IntRange(min=1), default=20_000, show_default=True,
          help="close a WebSocket whose peer does not answer a ping within this")
+@_option("ws-max-queue-bytes", type=click.IntRange(min=1), default=16 << 20, show_default=True,
+         help="bytes of frames waiting to be sent on one WebSocket before it is closed (1013)")
 @_option("log-level", type=click.Choice(["debug", "info", "warning", "error"]),
          default="warning", show_default=True, help="log level (stderr)")
 @_option("gc", type=click.Choice(["tuned", "default"]), default="tuned", show_default=True,

@@ -134,6 +134,7 @@ WORKER_ID: Final = re.compile(r"w_[0-9A-Za-z]+")
 PROTOCOL_VERSION: Final = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 HEX16: Final = re.compile(r"[0-9a-f]{16}")
 _DIGITS: Final = re.compile(r"-?[0-9]{1,18}")
+_LONG_DIGITS: Final = re.compile(r"-?[0-9]+")
 
 RUN_STATUSES: Final = frozenset(
     {"running", "waiting", "sleeping", "completed", "failed", "cancelled", "timed_out"}
@@ -453,15 +454,30 @@ def parse_kill(body: Any) -> str:
 # -- query parameters (strings over HTTP; ints or strings in process) -----------------------
 
 
+_QUERY_INT_MAX: Final = 10**18 - 1  # what `_DIGITS` reads: 18 digits at most
+
+
 def query_int(query: Mapping[str, Any], key: str, default: int, *, minimum: int,
                maximum: int | None = None) -> int:
+    """An integer query parameter within ``minimum`` .. ``maximum`` (18 digits at most).
+
+    Raises:
+        Invalid: not an integer, or out of range: the message gives the range
+            (never the value: a query string may be 64 KiB).
+    """
     raw = query.get(key)
     if raw is None:
         return default
     if isinstance(raw, str):
+        top = _QUERY_INT_MAX if maximum is None else maximum
         if _DIGITS.fullmatch(raw) is None:
-            raise Invalid("must be an integer", field=key)
-        raw = int(raw)
+            if _LONG_DIGITS.fullmatch(raw) is None:
+                raise Invalid("must be an integer", field=key)
+            raise Invalid(f"must be an integer from {minimum} to {top}", field=key)
+        number = int(raw)
+        if not minimum <= number <= top:
+            raise Invalid(f"must be an integer from {minimum} to {top}", field=key)
+        return number
     return check_int(raw, key, minimum=minimum, maximum=maximum)
 
 

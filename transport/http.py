@@ -51,7 +51,7 @@ from .protocol import (
     encode_json,
     error_reply,
 )
-from .websocket import WorkerSockets
+from .websocket import DEFAULT_MAX_QUEUE_BYTES, WorkerSockets
 
 __all__ = ["HttpApp", "create_app"]
 
@@ -374,15 +374,19 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
-def create_app(protocol: Protocol, *, max_in_flight: int = 64, max_queue: int = 256) -> HttpApp:
+def create_app(protocol: Protocol, *, max_in_flight: int = 64, max_queue: int = 256,
+               max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES) -> HttpApp:
     """The daemon's ASGI app over ``protocol`` (HTTP and the worker WebSocket).
 
     Args:
         protocol: the shared protocol handler.
         max_in_flight: WebSocket request frames answered concurrently per connection.
         max_queue: frames queued for sending per WebSocket connection.
+        max_queue_bytes: bytes of frames waiting to be sent per WebSocket
+            connection before it is closed (1013).
     """
     return HttpApp(
         protocol,
-        sockets=WorkerSockets(protocol, max_in_flight=max_in_flight, max_queue=max_queue),
+        sockets=WorkerSockets(protocol, max_in_flight=max_in_flight, max_queue=max_queue,
+                              max_queue_bytes=max_queue_bytes),
     )

@@ -195,6 +195,33 @@ def _message(exc: BaseException) -> str:
     return getattr(exc, "message", None) or str(exc) or type(exc).__name__
 
 
+MAX_ECHO: Final = 128
+"""The most characters of one run of non-blank text an error repeats (docs/http-api.md "Errors").
+
+Error messages quote what the client sent (a lease or run id, an unknown key,
+a path): cut, an answer stays small whatever the input (a 1 MB lease id was
+echoed whole in every 404, and a WebSocket queues 256 answers). 128 keeps
+every well-formed id and name whole (ids are at most 64 characters, names and
+step ids 128).
+"""
+MAX_MESSAGE: Final = 1024
+"""The most characters of an error's ``message`` (and of its ``field``)."""
+
+def _bounded(text: str) -> str:
+    """``text`` as an error may repeat it: every run of more than `MAX_ECHO`
+    characters without a space cut to its first 64 (``'l_aaa...(1048578 chars)``),
+    and at most `MAX_MESSAGE` characters in all."""
+    if len(text) <= MAX_ECHO:
+        return text
+    words = text.split(" ")  # C speed; a regex over a 1 MB id cost ~10 ms
+    if any(len(word) > MAX_ECHO for word in words):
+        text = " ".join(word if len(word) <= MAX_ECHO else f"{word[:64]}...({len(word)} chars)"
+                        for word in words)
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE - 3] + "..."
+    return text
+
+
 def error_reply(exc: BaseException) -> Reply:
     """The status and body an error answers with (OpenAPI "Errors").
 
@@ -202,40 +229,46 @@ def error_reply(exc: BaseException) -> Reply:
     ``unauthorized`` (with ``WWW-Authenticate``); 403 ``forbidden``; 404
     ``not_found``; 409 ``{"error": "conflict", "reason", "message"}`` (and
     ``budget`` for a refused signal); 413 ``too_large``; 422 ``unprocessable``;
-    503 ``unavailable``; anything else 500 ``internal``.
+    503 ``unavailable``; anything else 500 ``internal``. What the body repeats
+    of the client's input is cut (`_bounded`).
     """
     status = status_of(exc)
     if isinstance(exc, Invalid):
-        body: dict[str, Any] = {"error": "invalid", "message": str(exc), "field": exc.field}
+        field = exc.field
+        body: dict[str, Any] = {"error": "invalid", "message": _bounded(str(exc)),
+                                "field": field if field is None else _bounded(field)}
         if exc.definition is not None:
-            body["definition"] = exc.definition
+            body["definition"] = _bounded(exc.definition)
         return Reply(400, body)
     if isinstance(exc, Unauthorized):
         return Reply(
             401,
-            {"error": "unauthorized", "message": exc.message},
+            {"error": "unauthorized", "message": _bounded(exc.message)},
             ((b"www-authenticate", exc.www_authenticate.encode("latin-1")),),
         )
     if isinstance(exc, (Forbidden, CrossSite)):
-        return Reply(403, {"error": "forbidden", "message": exc.message})
+        return Reply(403, {"error": "forbidden", "message": _bounded(exc.message)})
     if isinstance(exc, SignalRefused):
         return Reply(
             409,
-            {"error": "conflict", "reason": exc.reason, "budget": exc.budget, "message": exc.message},
+            {"error": "conflict", "reason": exc.reason, "budget": exc.budget,
+             "message": _bounded(exc.message)},
         )
     if isinstance(exc, Conflict):
         return Reply(
             409,
-            {"error": "conflict", "reason": exc.reason, "message": exc.message or exc.reason},
+            {"error": "conflict", "reason": exc.reason,
+             "message": _bounded(exc.message or exc.reason)},
         )
     if isinstance(exc, Unprocessable):
-        return Reply(422, {"error": "unprocessable", "message": _message(exc), "field": None})
+        return Reply(422, {"error": "unprocessable", "message": _bounded(_message(exc)),
+                           "field": None})
     code = {
         404: "not_found",
         413: "too_large",
         503: "unavailable",
     }.get(status, "internal")
-    message = _message(exc) if status != 500 else "internal error; see the daemon's log"
+    message = _bounded(_message(exc)) if status != 500 else "internal error; see the daemon's log"
     return Reply(status, {"error": code, "message": message})
 
 
@@ -509,7 +542,8 @@ class Protocol:
         except (StepdError, StorageClosed) as exc:
             return error_reply(exc)
         except Exception as exc:
-            log.exception("%s failed (target %r): answered 500", op.value, target)
+            log.exception("%s failed (target %r): answered 500", op.value,
+                          _bounded(target) if isinstance(target, str) else target)
             return error_reply(exc)
 
     async def _start_run(self, body: Any, in_txn: InTxn | None) -> Reply:
@@ -678,7 +712,8 @@ class Protocol:
             key_id=principal.key_id if principal is not None else key_id,
             scope=principal.scope.value if principal is not None else None,
             action=spec.audit,
-            target=target if isinstance(target, str) else None,
+            # A refused path id may be 64 KiB: the durable entry keeps it bounded.
+            target=_bounded(target) if isinstance(target, str) else None,
             status=status,
             reason=reason,
         )

@@ -36,9 +36,19 @@ Per connection (all its tasks in one task group, STYLE.md rule 7):
   ``max_in_flight``), in arrival order per lease;
 * a pusher: `stepd.actors.daemon.engine.PushSession` hands it a lease per
   credit the moment work appears;
-* a writer: the one task that sends, fed by a bounded queue (``max_queue``
-  frames). Answers and leases wait for room; a ``cancel`` push that finds the
-  queue full is dropped (the heartbeat's 409 delivers it anyway, STYLE.md rule 21).
+* a writer: the one task that sends, fed by a bounded queue of encoded frames
+  (``max_queue`` frames). Answers and leases wait for room; a ``cancel`` push
+  that finds the queue full is dropped (the heartbeat's 409 delivers it
+  anyway, STYLE.md rule 21). The bytes waiting to be sent (queued, or waiting
+  for room) are bounded too (``max_queue_bytes``): a frame that would take
+  them past it means the peer does not read what it asked for, and the
+  connection is closed with 1013 (what waits is dropped; docs/serve.md says
+  why 1013).
+
+What an answer repeats of a frame is bounded (`error_reply` cuts ids and keys
+to a short prefix), and a frame's input is let go before its answer waits for
+room: a peer that sends and never reads costs the daemon a few frames, then
+TCP pushes back.
 
 A lease belongs to the worker, not the connection: a worker that reconnects and
 registers with its ``worker_id`` keeps heartbeating and completing its leases,
@@ -63,7 +73,7 @@ import anyio
 import msgpack  # type: ignore[import-untyped]
 from stepd.actors import Mailbox, Waiter
 
-from stepd.engine.errors import Invalid, StepdError, Unavailable
+from stepd.engine.errors import Invalid, NotFound, StepdError, Unavailable
 
 from ._validate import JSON_ENCODER, check_int
 from .auth import Forbidden, Principal, Unauthorized
@@ -98,10 +108,15 @@ _LEASE_OPS: Final = {
     "fail": Operation.FAIL,
 }
 _ENVELOPE: Final = frozenset({"op", "id", "lease_id"})
+_MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_TOO_BIG: Final = 1009
+CLOSE_TRY_AGAIN_LATER: Final = 1013
+
+DEFAULT_MAX_QUEUE_BYTES: Final = 16 << 20
+"""The bytes of encoded frames waiting to be sent on one connection before it is closed (1013)."""
 
 
 class _Close:
@@ -116,6 +131,24 @@ class _Close:
 
 def _is_id(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _msgpack_problem(data: bytes, exc: Exception) -> str:
+    """What is wrong with a frame msgpack refused, in words (msgpack's own can be empty)."""
+    text = str(exc)
+    if not data:
+        return "it is empty"
+    if isinstance(exc, msgpack.ExtraData):
+        return "there are bytes after the first value (a frame is one map)"
+    if isinstance(exc, msgpack.StackError):
+        return "it is nested too deeply"
+    if isinstance(exc, msgpack.FormatError):  # the one byte no msgpack value starts with
+        return "a value starts with byte 0xc1, which msgpack never uses"
+    if "incomplete input" in text or " exceeds max_" in text:
+        return "it ends in the middle of a value (a length or an item is missing)"
+    if "map key" in text:
+        return f"a map key is not a string ({text})"
+    return text or type(exc).__name__
 
 
 def answer_frame(frame_id: Any, reply: Reply) -> dict[str, Any]:
@@ -147,15 +180,18 @@ class WorkerSockets:
         protocol: the shared protocol handler.
         max_in_flight: request frames answered concurrently per connection.
         max_queue: frames waiting to be sent per connection.
+        max_queue_bytes: bytes of encoded frames waiting to be sent per
+            connection; past it the connection is closed with 1013.
     """
 
     def __init__(self, protocol: Protocol, *, max_in_flight: int = 64,
-                 max_queue: int = 256) -> None:
-        if max_in_flight < 1 or max_queue < 1:
-            raise ValueError("max_in_flight and max_queue must be >= 1")
+                 max_queue: int = 256, max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES) -> None:
+        if max_in_flight < 1 or max_queue < 1 or max_queue_bytes < 1:
+            raise ValueError("max_in_flight, max_queue and max_queue_bytes must be >= 1")
         self.protocol = protocol
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self._routes: dict[str, WorkerConnection] = {}
 
     # -- cancel routing ---------------------------------------------------------
@@ -185,8 +221,8 @@ class WorkerSockets:
         if message["type"] != "websocket.connect":
             return
         if scope["path"] != "/v1/api/workers/connect":
-            await _reject(scope, send, 404, {"error": "not_found",
-                                             "message": f"no WebSocket at {scope['path']}"})
+            reply = error_reply(NotFound(f"no WebSocket at {scope['path']}"))
+            await _reject(scope, send, reply.status, reply.body)
             return
         protocol = self.protocol
         if protocol.draining:
@@ -288,7 +324,12 @@ class WorkerConnection:
         # Outgoing frames, for the one writer task. A Mailbox, not an anyio
         # memory stream: a send or receive with room (or an item) costs no
         # event loop turn, and a step passes three frames through here.
-        self._out: Mailbox[dict[str, Any] | _Close] = Mailbox(sockets.max_queue)
+        self._out: Mailbox[tuple[Message, int] | _Close] = Mailbox(sockets.max_queue)
+        # The bytes of the encoded frames queued or waiting for room (`_push`).
+        self._out_bytes = 0
+        self._max_out_bytes = sockets.max_queue_bytes
+        self._overflowed = False
+        self._write_scope = anyio.CancelScope()
         self._limit = _Slots(sockets.max_in_flight)
         self._lease_tail: dict[str, Waiter] = {}  # the last frame in flight, per lease
         self._session: Any = None
@@ -383,7 +424,8 @@ class WorkerConnection:
             try:
                 frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
             except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-                raise Invalid(f"the frame is not valid msgpack: {exc}") from None
+                raise Invalid("the frame is not valid msgpack: "
+                              f"{_msgpack_problem(data, exc)}") from None
             try:
                 JSON_ENCODER.encode(frame)  # only JSON values cross into the engine
             except (TypeError, ValueError) as exc:
@@ -403,10 +445,10 @@ class WorkerConnection:
             return
         op = frame.get("op")
         frame_id = frame.get("id")
-        if op == "credit":
+        if op == "credit" and (frame_id is None or _is_id(frame_id)):  # its id is optional
             await self._credit(frame)
             return
-        if op not in _LEASE_OPS and op != "register":
+        if op not in _LEASE_OPS and op not in ("register", "credit"):
             await self._push(_error_frame(frame_id, Invalid(
                 "must be register, credit, started, heartbeat, complete or fail", field="op")))
             return
@@ -421,12 +463,15 @@ class WorkerConnection:
         assert self._handlers is not None
         # Frames of one lease are applied in the order they arrived, so a worker
         # may send `complete` right behind `started` without waiting for its answer.
+        # Only ids as short as a lease id are tracked: a longer one names no
+        # lease (answered 404) and is not kept while its answer waits for room.
         lease_id = frame.get("lease_id")
-        before = self._lease_tail.get(lease_id) if isinstance(lease_id, str) else None
+        key = lease_id if type(lease_id) is str and len(lease_id) <= _MAX_LEASE_ID else None
+        before = self._lease_tail.get(key) if key is not None else None
         done = Waiter()
-        if isinstance(lease_id, str):
-            self._lease_tail[lease_id] = done
-        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done))
+        if key is not None:
+            self._lease_tail[key] = done
+        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done, key))
         if self._parked:
             self._parked.pop().set()
         else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
@@ -493,28 +538,30 @@ class WorkerConnection:
         if _is_id(frame_id):
             await self._push({"op": "ok", "id": frame_id})
 
-    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any],
-                          before: Waiter | None, done: Waiter) -> None:
+    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
+                          before: Waiter | None, done: Waiter, key: str | None) -> None:
+        assert frame is not None
         try:
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
             with self.protocol.counting():  # abort() cancels the whole connection
-                lease_id = frame.get("lease_id")
-                if not isinstance(lease_id, str):
-                    reply = error_reply(Invalid("must be the lease id (a string)",
-                                                field="lease_id"))
-                else:
-                    body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
-                    # The connection's worker: another worker's lease is unknown here.
-                    reply = await self.protocol.handle(op, self.principal, target=lease_id,
-                                                       body=body, worker_id=self.worker_id or "")
+                reply = await self._lease_reply(op, frame)
+                frame = None  # not kept while the answer waits for room in the queue
                 await self._push(answer_frame(frame_id, reply))
         finally:
             done.set()
-            lease_id = frame.get("lease_id")
-            if self._lease_tail.get(lease_id) is done:  # type: ignore[arg-type]
-                del self._lease_tail[lease_id]  # type: ignore[arg-type]
+            if key is not None and self._lease_tail.get(key) is done:
+                del self._lease_tail[key]
             self._limit.release()
+
+    async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
+        lease_id = frame.get("lease_id")
+        if not isinstance(lease_id, str):
+            return error_reply(Invalid("must be the lease id (a string)", field="lease_id"))
+        body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
+        # The connection's worker: another worker's lease is unknown here.
+        return await self.protocol.handle(op, self.principal, target=lease_id, body=body,
+                                          worker_id=self.worker_id or "")
 
     # -- the push session ---------------------------------------------------------------
 
@@ -547,47 +594,100 @@ class WorkerConnection:
     # -- writing --------------------------------------------------------------------------
 
     async def _push(self, frame: dict[str, Any] | _Close) -> bool:
-        """Queue a frame for the writer (waits for room in the bounded queue).
+        """Encode a frame and queue it for the writer (waits for room in the bounded queue).
 
-        Returns False when the connection is ending and the frame was not queued.
+        Returns False when the frame was not queued: the connection is ending,
+        or the frame would take the bytes waiting to be sent past
+        ``max_queue_bytes`` (the connection is then closed with 1013,
+        `_overflow`). A frame larger than the bound on its own is sent when
+        nothing else waits.
         """
+        size = 0
+        item: tuple[Message, int] | _Close
+        if isinstance(frame, _Close):
+            item = frame
+        else:
+            message, size = self._encode(frame)
+            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
+                self._overflow()
+                return False
+            item = (message, size)
+            self._out_bytes += size  # counted while it waits for room, too
         try:
-            await self._out.put(frame)
+            await self._out.put(item)
             return True
         except anyio.ClosedResourceError:
+            self._out_bytes -= size
             return False  # the connection is ending: nobody is listening
+        except BaseException:
+            self._out_bytes -= size  # cancelled while waiting for room
+            raise
 
     def push_nowait(self, frame: dict[str, Any]) -> None:
         """Queue a frame without waiting; dropped (and logged) when the queue is full."""
+        message, size = self._encode(frame)
         try:
-            self._out.send_nowait(frame)
+            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
+                raise anyio.WouldBlock
+            self._out.send_nowait((message, size))
+            self._out_bytes += size
         except anyio.WouldBlock:
             log.warning("worker %s is not reading its WebSocket: dropped %s", self.worker_id,
                         frame.get("op"))
         except anyio.ClosedResourceError:
             pass
 
-    def _encode(self, frame: dict[str, Any]) -> Message:
+    def _overflow(self) -> None:
+        """The peer does not read what it asked for: drop what waits, close with 1013.
+
+        Everything stops at once (reading, the handlers, the pusher); the
+        writer drops the frames queued and sends the close frame. Leases that
+        were queued and never sent expire after their TTL and are recovered,
+        as for any connection that dies (PROTOCOL.md "Expiry and recovery").
+        """
+        if self._overflowed:
+            return
+        self._overflowed = True
+        log.warning("worker %s does not read its WebSocket (over %d bytes waiting to be sent): "
+                    "closed with %d", self.worker_id, self._max_out_bytes, CLOSE_TRY_AGAIN_LATER)
+        self._out.close()  # later pushes are refused
+        self._read_scope.cancel()
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
+        self._write_scope.cancel()
+
+    def _encode(self, frame: dict[str, Any]) -> tuple[Message, int]:
         if self._binary:
-            return {"type": "websocket.send", "bytes": msgpack.packb(frame, use_bin_type=True)}
-        return {"type": "websocket.send", "text": encode_json(frame).decode("utf-8")}
+            data = msgpack.packb(frame, use_bin_type=True)
+            return {"type": "websocket.send", "bytes": data}, len(data)
+        text = encode_json(frame)
+        return {"type": "websocket.send", "text": text.decode("utf-8")}, len(text)
 
     async def _write_loop(self) -> None:
         out = self._out
         try:
-            while True:
-                item = await out.receive()  # no loop turn when a frame is there
-                try:
+            with self._write_scope:  # cancelled by `_overflow`
+                while True:
+                    item = await out.receive()  # no loop turn when a frame is there
                     if isinstance(item, _Close):
                         await self._send({"type": "websocket.close", "code": item.code,
                                           "reason": item.reason})
                         return
-                    await self._send(self._encode(item))
-                except OSError:  # uvicorn's ClientDisconnected: the peer is gone
-                    self._gone()
-                    return
+                    await self._send(item[0])
+                    self._out_bytes -= item[1]
+            if self._overflowed:
+                await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER,
+                                  "reason": "too many frames not read"})
+        except OSError:  # uvicorn's ClientDisconnected: the peer is gone
+            self._gone()
         except anyio.EndOfStream:
-            return
+            pass
         finally:
             out.close()  # nobody writes any more: later pushes are refused, not lost unseen
+            while True:  # what is left is dropped now, not when the connection is freed
+                try:
+                    out.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            self._out_bytes = 0
 

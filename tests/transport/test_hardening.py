@@ -255,3 +255,24 @@ def test_idle_workers_are_forgotten_and_connected_ones_listed_first(
             assert r.status_code == 404  # forgotten: it must register again
     finally:
         d.stop()
+
+
+def test_a_huge_path_id_is_not_kept_whole_in_the_audit_log(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each refused read is audited with its target: a 60 KB run id once went in whole."""
+    d = start_daemon(tmp_path_factory.mktemp("audit") / "data", "--admin-key", "adm")
+    try:
+        with d.client("adm") as http:
+            huge = "r_" + "A" * 60_000
+            assert http.get(f"/v1/api/runs/{huge}").status_code == 404
+            targets: list[str] = []
+            for _ in range(50):  # bounded: a read's entry is written behind
+                entries = http.get("/v1/api/audit", params={"limit": 1000}).json()["entries"]
+                targets = [e["target"] for e in entries
+                           if e["target"] and e["target"].startswith("r_A")]
+                if targets:
+                    break
+                time.sleep(0.02)
+            assert targets and all(len(t) <= 1024 for t in targets), [len(t) for t in targets]
+    finally:
+        d.stop()

@@ -43,10 +43,10 @@ def test_a_slow_complete_does_not_hold_up_other_frames(inproc: InProcDaemon) -> 
     engine = inproc.daemon.engine
     original = engine.lease_call
 
-    async def slow(lease_id: str, op: Op, body: Any = None) -> Any:
+    async def slow(lease_id: str, op: Op, body: Any = None, *, caller: str | None = None) -> Any:
         if op is Op.COMPLETE:
             await anyio.sleep(0.8)
-        return await original(lease_id, op, body)
+        return await original(lease_id, op, body, caller=caller)
 
     name = unique()
     ws_url = inproc.url.replace("http://", "ws://") + "/v1/api/workers/connect"
