@@ -431,12 +431,17 @@ class Protocol:
             origin: the ``Origin`` header, None when absent.
 
         Raises:
-            CrossSite: an ``Origin`` header (a browser), or a ``Host`` that does
-                not name a loopback address (DNS rebinding).
+            CrossSite: an ``Origin`` header of another site (a browser page
+                elsewhere), or a ``Host`` that does not name a loopback address
+                (DNS rebinding). The daemon's own pages (the console at ``/ui``)
+                are same-origin: ``Origin`` is ``http://`` plus the loopback
+                ``Host`` itself, which no other site can send.
         """
         if self.keyring.enabled:
             return
-        if origin is not None:
+        if origin is not None and not (
+                host is not None and origin == f"http://{host}"
+                and is_loopback_host(_host_name(host))):
             raise CrossSite(
                 "a daemon without API keys does not serve browser requests (Origin "
                 f"{origin!r}); configure keys to serve them", reason="browser_origin")

@@ -193,6 +193,13 @@ def test_a_keyless_daemon_refuses_what_a_web_page_could_send(daemon: DaemonProce
         for host in ("localhost", "127.0.0.1:1", "[::1]:7707", "127.1.2.3"):
             assert c.get("/v1/api/runs", headers={"Host": host}).status_code == 200, host
         assert c.get("/healthz", headers={"Origin": "http://evil.example"}).status_code == 200
+        # The daemon's own pages (the console) are same-origin: allowed; another port or
+        # scheme on the same host is another origin: refused.
+        here = daemon.url.removeprefix("http://")
+        assert c.get("/v1/api/runs", headers={"Origin": f"http://{here}"}).status_code == 200
+        port = int(here.rsplit(":", 1)[1])
+        for other in (f"http://127.0.0.1:{port + 1}", f"https://{here}", "null"):
+            assert c.get("/v1/api/runs", headers={"Origin": other}).status_code == 403, other
     with pytest.raises(InvalidStatus) as info:
         connect(daemon.ws_url, subprotocols=["stepd.v1.msgpack"],  # type: ignore[list-item]
                 origin="http://evil.example", proxy=None, open_timeout=5)  # type: ignore[arg-type]
