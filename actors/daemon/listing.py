@@ -207,13 +207,11 @@ def _cursor(index: str, order: str, key: bytes) -> str:
 
 def _uncursor(cursor: str, index: str, order: str) -> bytes:
     try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        got = decode(raw)
-        ok = (isinstance(got, list) and len(got) == 3 and isinstance(got[2], bytes)
-              and got[0] == index and got[1] == order)
+        got = decode(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except Exception:  # noqa: BLE001 - any malformed cursor is the same 400
-        ok = False
-    if not ok:
+        got = None
+    if not (isinstance(got, list) and len(got) == 3 and isinstance(got[2], bytes)
+            and got[0] == index and got[1] == order):
         raise Invalid("must be the next_cursor of an earlier page of the same query",
                       field="cursor")
     return bytes(got[2])

@@ -53,6 +53,36 @@ from .tables import (  # re-exported: callers name them store.RUNS, ...
     WORKERS,
 )
 
+__all__ = [
+    "DISPATCH_KEYS",
+    "EXTRA_TABLES",
+    "IDX_ACTIVE",
+    "INBOX",
+    "InTxn",
+    "JOURNAL",
+    "LEASES",
+    "LeaseGuard",
+    "RUNS",
+    "RUN_CRASHES",
+    "RUN_SUMMARIES",
+    "RunWrite",
+    "TIMERS",
+    "TIMER_TAG",
+    "WORKERS",
+    "apply_txn",
+    "barrier_txn",
+    "count_crash_txn",
+    "deferred",
+    "durable_reason",
+    "inbox_key",
+    "inbox_prefix",
+    "inbox_txn",
+    "lease_and_run_txn",
+    "live_leases_txn",
+    "load_run_txn",
+    "run_is_terminal",
+]
+
 InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
 """Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
 

@@ -1,0 +1,372 @@
+"""The run machine's event layer: one handler per (status, event) of the table.
+
+See `_run_base` for how `RunMachine` is layered; `run.TRANSITIONS` names
+these handlers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from ._run_base import (
+    END,
+    MAX_BUFFERED_SIGNAL_BYTES,
+    MAX_BUFFERED_SIGNALS,
+    MAX_IMMEDIATE_STEPS,
+    MAX_SIGNAL_BYTES,
+    MAX_TOKEN_TOTAL,
+    _jump_of,
+    _retry_of,
+    span_id_for,
+    trace_id_for,
+)
+from ._run_steps import _RunSteps
+from .definition import (
+    Delivery,
+    ForEachStep,
+    StartWorkflowsStep,
+    TaskStep,
+)
+from .errors import Fenced, Invalid
+from .events import (
+    AttemptCompleted,
+    AttemptFailed,
+    AttemptLost,
+    AttemptOffered,
+    AttemptOrphaned,
+    AttemptReleased,
+    AttemptRevived,
+    AttemptStarted,
+    AttemptUnservable,
+    Begin,
+    Cancel,
+    ChildFinished,
+    InternalFailure,
+    SignalReceived,
+    Tick,
+    Transition,
+)
+from .record import slot_key
+from .status import ErrorReason, RunStatus, SlotPhase
+
+
+class _RunEvents(_RunSteps):
+    __slots__ = ()
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_offered(self, ev: AttemptOffered, now: int) -> Transition:
+        f, slot = self._slot(ev.step_id, ev.item_index)
+        if slot.phase is not SlotPhase.QUEUED:
+            raise Fenced(f"slot {slot_key(ev.step_id, ev.item_index)} is {slot.phase.value}, not queued")
+        step = self.definition.step(f.step_id)
+        tr = Transition()
+        key = slot_key(ev.step_id, ev.item_index)
+        fence = self.record.fences.get(key, 0) + 1
+        self.record.fences[key] = fence
+        slot.fence = fence
+        slot.phase = SlotPhase.OFFERED
+        slot.lease_id = ev.lease_id
+        slot.worker_id = ev.worker_id
+        self._journal(
+            tr, now, "step_offered", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=fence, lease_id=ev.lease_id,
+            worker_id=ev.worker_id, worker_name=ev.worker_name,
+        )
+        spec = self._spec(step, f, slot)
+        tr.lease = {
+            "lease_id": ev.lease_id,
+            "fence": fence,
+            "run_id": self.record.run_id,
+            "workflow": self.record.workflow,
+            "version": self.record.version,
+            "definition_hash": self.record.definition_hash,
+            "step_id": ev.step_id,
+            "body": spec.body,
+            "attempt": slot.attempt,
+            "item_index": ev.item_index,
+            "delivery": spec.delivery,
+            "input": slot.input,
+            "steps": dict(self.record.steps),
+            "state": dict(self.record.state),
+            "correlation": self.record.correlation,
+            "idempotency_key": spec.idempotency_key,
+            "trace_id": trace_id_for(self.record.run_id),
+            "span_id": span_id_for(ev.lease_id),
+            "timeout_ms": spec.timeout_ms,
+        }
+        return tr
+
+    def _on_started(self, ev: AttemptStarted, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        tr = Transition()
+        if slot.phase is SlotPhase.STARTED:
+            return tr  # a repeated `started` changes nothing
+        step = self.definition.step(f.step_id)
+        slot.phase = SlotPhase.STARTED
+        timeout = getattr(step, "timeout_ms", None)
+        slot.timeout_at = None if timeout is None else now + timeout
+        self._journal(
+            tr, now, "step_started", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+            worker_id=slot.worker_id,
+        )
+        return tr
+
+    def _on_completed(self, ev: AttemptCompleted, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        patch = ev.state_patch
+        if patch is not None and not isinstance(patch, dict):
+            raise Invalid("must be an object", field="state_patch")
+        step = self.definition.step(f.step_id)
+        jump = _jump_of(ev.output) if isinstance(step, TaskStep) else None
+        if jump is not None and jump != END:
+            try:
+                self.definition.index_of(jump)
+            except KeyError:
+                raise Invalid(f"{jump!r} is not a step of {self.definition.name!r}",
+                              field="output._next_step") from None
+        tr = Transition()
+        r = self.record
+        if ev.usage:
+            # Saturating: a total past what storage holds would fail every write of
+            # the run (the transport bounds each report; this bounds the sum).
+            r.input_tokens = min(r.input_tokens + int(ev.usage.get("input_tokens") or 0),
+                                 MAX_TOKEN_TOTAL)
+            r.output_tokens = min(r.output_tokens + int(ev.usage.get("output_tokens") or 0),
+                                  MAX_TOKEN_TOTAL)
+            cost = r.cost_usd + float(ev.usage.get("cost_usd") or 0.0)
+            r.cost_usd = cost if math.isfinite(cost) else r.cost_usd
+        self._journal(
+            tr, now, "step_completed", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+            worker_id=slot.worker_id, usage=ev.usage or None,
+            spans=list(ev.spans) if ev.spans else None,
+        )
+        slot.phase = SlotPhase.DONE
+        if isinstance(step, TaskStep):
+            f.slots.remove(slot)
+            nxt = self._finish_step(
+                step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units, jump=jump,
+            )
+            if nxt is not None:
+                self._run_steps_from(nxt, tr, now)
+            return tr
+        assert isinstance(step, ForEachStep)
+        # One item of a for_each: its cost and patch count now ("on each completion").
+        breach = self._check(
+            max_cost_units=r.cost_units + slot.cost_units,
+            max_state_bytes=None if not patch else self._size({**r.state, **patch}),
+        )
+        if breach is not None:
+            self._breach(breach, step.id, tr, now)
+            return tr
+        r.cost_units += slot.cost_units
+        if patch:
+            r.state = {**r.state, **patch}
+            r.state_bytes = self._size(r.state)
+            self._journal(tr, now, "state_patched", step_id=step.id, item_index=ev.item_index,
+                          keys=sorted(patch))
+        assert ev.item_index is not None
+        f.slots.remove(slot)
+        f.outputs[ev.item_index] = ev.output
+        f.done += 1
+        if f.done == f.total:
+            nxt = self._finish_step(step, list(f.outputs), tr, now, into_value=list(f.outputs))
+            if nxt is not None:
+                self._run_steps_from(nxt, tr, now)
+            return tr
+        self._fill_for_each(step, f, tr, now)
+        return tr
+
+    def _on_failed(self, ev: AttemptFailed, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        if ev.error_class == "unservable":
+            return self._on_unservable(AttemptUnservable(
+                ev.step_id, ev.item_index, ev.fence, slot.worker_id or "", ev.message), now)
+        tr = Transition()
+        self._journal(
+            tr, now, "step_failed", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+            worker_id=slot.worker_id, error_class=ev.error_class, message=ev.message,
+        )
+        self._attempt_failed(f, slot, ev.error_class, ev.message, tr, now)
+        return tr
+
+    def _on_lost(self, ev: AttemptLost, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        step = self.definition.step(f.step_id)
+        tr = Transition()
+        self._journal(
+            tr, now, "step_recovered", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+            started=ev.started,
+        )
+        delivery = getattr(step, "delivery", Delivery.AT_LEAST_ONCE)
+        if delivery is Delivery.AT_MOST_ONCE:
+            if ev.started:
+                # PROTOCOL.md "Expiry and recovery": never re-run; the step fails `lost`.
+                self._journal(tr, now, "step_failed", step_id=ev.step_id,
+                              item_index=ev.item_index, attempt=slot.attempt, fence=ev.fence,
+                              error_class="lost",
+                              message="at_most_once attempt lost after it started")
+                self._fail_run(ErrorReason.LEASE_LOST,
+                               "at_most_once attempt lost after it started", step.id, tr, now)
+                return tr
+            self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)
+            return tr
+        retry = _retry_of(step)
+        if slot.attempt >= retry.max_attempts:
+            self._fail_run(
+                ErrorReason.LEASE_LOST,
+                f"lease lost on attempt {slot.attempt} of {retry.max_attempts}", step.id, tr, now,
+            )
+            return tr
+        self._requeue(step, f, slot, tr, attempt=slot.attempt + 1, now=now)
+        return tr
+
+    def _on_orphaned(self, ev: AttemptOrphaned, now: int) -> Transition:
+        return self._journal_only("step_orphaned", ev, now)
+
+    def _on_revived(self, ev: AttemptRevived, now: int) -> Transition:
+        return self._journal_only("step_revived", ev, now)
+
+    def _journal_only(self, type_: str, ev: AttemptOrphaned | AttemptRevived, now: int) -> Transition:
+        """Lease timing news: journaled against the live attempt, nothing else changes."""
+        _, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        tr = Transition()
+        self._journal(tr, now, type_, step_id=ev.step_id, item_index=ev.item_index,
+                      attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+                      worker_id=slot.worker_id)
+        return tr
+
+    def _on_released(self, ev: AttemptReleased, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        if slot.phase is not SlotPhase.OFFERED:
+            raise Fenced(f"lease {slot.lease_id} has started: it cannot be released")
+        step = self.definition.step(f.step_id)
+        tr = Transition()
+        self._journal(tr, now, "step_recovered", step_id=ev.step_id, item_index=ev.item_index,
+                      attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+                      started=False, released=True)
+        self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)  # never ran: no budget spent
+        return tr
+
+    def _on_unservable(self, ev: AttemptUnservable, now: int) -> Transition:
+        f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
+        step = self.definition.step(f.step_id)
+        tr = Transition()
+        self._journal(
+            tr, now, "step_unservable", step_id=ev.step_id, item_index=ev.item_index,
+            attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
+            worker_id=ev.worker_id, message=ev.message,
+        )
+        if ev.worker_id not in slot.excluded:
+            slot.excluded.append(ev.worker_id)
+        self._requeue(step, f, slot, tr, attempt=slot.attempt, now=now)  # no retry budget spent
+        return tr
+
+    def _on_signal(self, ev: SignalReceived, now: int) -> Transition:
+        if not isinstance(ev.name, str) or not ev.name:
+            raise Invalid("must be a non-empty string", field="name")
+        size = self._size(ev.payload)
+        if size > MAX_SIGNAL_BYTES:
+            raise Invalid(
+                f"is {size} bytes as JSON; a signal's payload may hold at most {MAX_SIGNAL_BYTES} "
+                "(max_signal_bytes): store the data elsewhere and signal a reference",
+                field="payload")
+        r = self.record
+        f = r.frame
+        if r.status is RunStatus.WAITING and f is not None and f.event == ev.name:
+            # Try the transition on a copy: a signal whose transition breaches a
+            # budget is refused and nothing of it is kept (WORKFLOWS.md "Budgets").
+            trial = type(self)(copy.deepcopy(r), self.definition, self.resolve,
+                               max_depth=self.max_depth)
+            trial_tr = Transition()
+            trial._consume_signal(ev.name, ev.payload, trial_tr, now)
+            breach = next((e for e in trial_tr.journal if e["type"] == "budget_exceeded"), None)
+            if breach is None:
+                self.record = trial.record
+                return trial_tr
+            tr = Transition(refused=("budget_exceeded", breach["budget"]))
+            self._journal(tr, now, "signal_rejected", name=ev.name, reason="budget_exceeded",
+                          budget=breach["budget"], step_id=f.step_id)
+            return tr
+        if len(r.signals) >= MAX_BUFFERED_SIGNALS:
+            raise Invalid(
+                f"run {r.run_id} already buffers {len(r.signals)} signals that no wait has "
+                f"taken, the most a run keeps (max_buffered_signals = {MAX_BUFFERED_SIGNALS})")
+        buffered = sum(self._buffered_size(s) for s in r.signals)
+        if buffered + size > MAX_BUFFERED_SIGNAL_BYTES:
+            raise Invalid(
+                f"run {r.run_id} buffers {buffered} bytes of signals that no wait has taken; "
+                f"with this {size}-byte payload it would exceed the "
+                f"{MAX_BUFFERED_SIGNAL_BYTES} a run keeps (max_buffered_signal_bytes)",
+                field="payload")
+        tr = Transition()
+        r.signals.append({"name": ev.name, "payload": ev.payload, "at": now, "bytes": size})
+        self._journal(tr, now, "signal_received", name=ev.name, buffered=True)
+        return tr
+
+    def _on_tick(self, ev: Tick, now: int) -> Transition:
+        tr = Transition()
+        for _ in range(MAX_IMMEDIATE_STEPS):
+            if not self._fire_one_due(tr, now):
+                break
+        return tr
+
+    def _on_tick_terminal(self, ev: Tick, now: int) -> Transition:
+        return Transition()
+
+    def _on_child_finished(self, ev: ChildFinished, now: int) -> Transition:
+        tr = Transition()
+        f = self.record.frame
+        if f is None or ev.child_run_id not in f.children:
+            return tr  # a child of an earlier step, or a repeated notification
+        step = self.definition.step(f.step_id)
+        assert isinstance(step, StartWorkflowsStep)
+        index = f.children.index(ev.child_run_id)
+        if f.finished[index]:
+            return tr
+        f.finished[index] = True
+        if ev.status != RunStatus.COMPLETED.value:
+            message = f"child run {ev.child_run_id} ended {ev.status}"
+            if ev.error and ev.error.get("message"):
+                message += f": {ev.error['message']}"
+            self._journal(tr, now, "step_failed", step_id=step.id, item_index=index,
+                          error_class="child_failed", message=message)
+            self._fail_run(ErrorReason.STEP_FAILED, message, step.id, tr, now)
+            return tr
+        f.outputs[index] = ev.result
+        f.done += 1
+        if f.done == f.total:
+            results = list(f.outputs)
+            nxt = self._finish_step(step, results, tr, now, into_value=results)
+            if nxt is not None:
+                self._run_steps_from(nxt, tr, now)
+        return tr
+
+    def _on_child_ignored(self, ev: ChildFinished, now: int) -> Transition:
+        return Transition()
+
+    def _on_begin(self, ev: Begin, now: int) -> Transition:
+        tr = Transition()
+        if not self.record.begun:
+            self.record.begun = True
+            self._run_steps_from(0, tr, now)
+        return tr
+
+    def _on_internal_failure(self, ev: InternalFailure, now: int) -> Transition:
+        tr = Transition()
+        self._fail_run(ErrorReason.INTERNAL, ev.message, self._current_step_id(), tr, now)
+        return tr
+
+    def _on_cancel(self, ev: Cancel, now: int) -> Transition:
+        tr = Transition()
+        self._end_run(RunStatus.CANCELLED, tr, now, error={
+            "reason": ErrorReason.CANCELLED.value, "message": ev.message,
+            "step_id": self._current_step_id(),
+        })
+        return tr
+
