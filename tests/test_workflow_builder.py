@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from stepd.engine.canonical import definition_hash
 from stepd.engine.definition import (
     Delivery,
     ForEachStep,
     RetryPolicy,
     StartWorkflowsStep,
     TaskStep,
+    definition_hash,
     parse_definition,
 )
 from stepd.engine.durations import parse_duration

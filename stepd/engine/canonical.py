@@ -38,7 +38,6 @@ from stepd.engine.errors import Invalid
 
 __all__ = [
     "canonical_json",
-    "definition_hash",
     "filled_definition_hash",
     "state_bytes",
 ]
@@ -133,7 +132,7 @@ def filled_definition_hash(filled: Mapping[str, Any]) -> str:
     """The hash of a definition already in filled wire form (`Definition.to_json`).
 
     Drops ``version`` and hashes the rest as is. Use it only on the output of
-    `Definition.to_json`; for anything else use `definition_hash`, which parses
+    `Definition.to_json`; for anything else use `definition.definition_hash`, which parses
     and fills defaults first so omitted defaults and int/float spellings of
     ``backoff_factor`` cannot change the hash.
 
@@ -142,25 +141,3 @@ def filled_definition_hash(filled: Mapping[str, Any]) -> str:
     """
     body = {key: value for key, value in filled.items() if key != "version"}
     return hashlib.sha256(canonical_json(body)).hexdigest()
-
-
-def definition_hash(definition_json: Mapping[str, Any]) -> str:
-    """The ``definition_hash`` of a definition in wire form, raw or filled.
-
-    WORKFLOWS.md "version and definition_hash": SHA-256 hex of the canonical JSON
-    of the definition without ``version``, defaults filled in. The definition is
-    parsed (strictly) and re-serialised first, so key order, whitespace, omitted
-    defaults and ``version`` never change the result.
-
-    Args:
-        definition_json: the definition object as registered.
-
-    Returns:
-        64 lowercase hex digits.
-
-    Raises:
-        Invalid: the definition does not validate (see `parse_definition`).
-    """
-    from stepd.engine.definition import parse_definition  # definition imports us
-
-    return parse_definition(definition_json).definition_hash

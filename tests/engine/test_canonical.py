@@ -22,11 +22,10 @@ from hypothesis import strategies as st
 
 from stepd.engine.canonical import (
     canonical_json,
-    definition_hash,
     filled_definition_hash,
     state_bytes,
 )
-from stepd.engine.definition import BUDGET_NAMES, parse_definition
+from stepd.engine.definition import BUDGET_NAMES, definition_hash, parse_definition
 from stepd.engine.errors import Invalid
 
 # --- canonical_json: known vectors ------------------------------------------------------

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from stepd.engine.canonical import definition_hash
 from stepd.engine.definition import (
     BUDGET_NAMES,
     END,
@@ -31,6 +30,7 @@ from stepd.engine.definition import (
     StepKind,
     TaskStep,
     WaitStep,
+    definition_hash,
     parse_budgets,
     parse_definition,
     parse_retry,
