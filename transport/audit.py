@@ -72,6 +72,8 @@ class AuditAction(IdentityEnum):
     ACTORS_KILL = "actors.kill"
     AUDIT_READ = "audit.read"
     WORKERS_READ = "workers.read"
+    DEFINITIONS_READ = "definitions.read"
+    STATS_READ = "stats.read"
 
 
 _ACTIONS: Final = frozenset(a.value for a in AuditAction)

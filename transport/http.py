@@ -19,6 +19,10 @@ What this module adds to `Protocol`, and nothing more (STYLE.md rule 20):
   (``http.disconnect``): the engine call is cancelled (a claim cancelled so
   returns the slots it had not offered yet) and nothing is sent;
 * ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``;
+* the web console's static files at ``/ui/`` (``transport/console/``, docs/console.md):
+  read once from the package, served by exact name (no directory listing, no
+  path from the request ever reaches the file system), with a strict
+  ``Content-Security-Policy``;
 * 503 for everything once the daemon drains;
 * ``stepd_http_requests_total{route, status}`` for every answer (``499``: the
   client went away before the answer).
@@ -26,8 +30,15 @@ What this module adds to `Protocol`, and nothing more (STYLE.md rule 20):
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+import re
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import parse_qsl
 
@@ -81,6 +92,8 @@ HEALTHZ: Final = _Special("healthz")
 METRICS: Final = _Special("metrics")
 OPENAPI: Final = _Special("openapi")
 CONNECT: Final = _Special("connect")
+UI: Final = _Special("ui")
+UI_REDIRECT: Final = _Special("ui_redirect")
 
 Handler = Operation | _Special
 
@@ -99,6 +112,8 @@ _STATIC_METHODS: Final[dict[str, dict[str, Handler]]] = {
         "/v1/api/audit": {"GET": Operation.AUDIT},
         "/v1/api/actors": {"GET": Operation.ACTORS},
         "/v1/api/actors/kill": {"POST": Operation.KILL},
+        "/v1/api/definitions": {"GET": Operation.DEFINITIONS},
+        "/v1/api/stats": {"GET": Operation.STATS},
         "/healthz": {"GET": HEALTHZ},
         "/metrics": {"GET": METRICS},
         "/openapi.json": {"GET": OPENAPI},
@@ -130,11 +145,24 @@ _RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
 }
 
 
+_UI_ROUTE: Final[tuple[str, dict[str, Handler]]] = ("/ui/{asset}", {"GET": UI, "HEAD": UI})
+_UI_REDIRECT_ROUTE: Final[tuple[str, dict[str, Handler]]] = (
+    "/ui", {"GET": UI_REDIRECT, "HEAD": UI_REDIRECT})
+
+
 def route(path: str) -> Route | None:
-    """The route of a path: its template, its methods, and the id it names (if any)."""
+    """The route of a path: its template, its methods, and the id it names (if any).
+
+    For the console (``/ui/...``) the "id" is the asset's name (``index.html``
+    for ``/ui/``); whether such an asset exists is decided when it is served.
+    """
     static = _STATIC.get(path)
     if static is not None:
         return static[0], static[1], None
+    if path.startswith("/ui/"):
+        return _UI_ROUTE[0], _UI_ROUTE[1], path[4:] or "index.html"
+    if path == "/ui":
+        return _UI_REDIRECT_ROUTE[0], _UI_REDIRECT_ROUTE[1], None
     if path.startswith("/v1/api/steps/"):
         parts = path[len("/v1/api/steps/"):].split("/")
         if len(parts) == 2 and parts[0]:
@@ -153,6 +181,117 @@ def route(path: str) -> Route | None:
             if found is not None:
                 return found[0], found[1], parts[0]
     return None
+
+
+# --------------------------------------------------------------------------- the console
+
+CONSOLE_DIR: Final = "console"
+"""The console's static files: ``transport/console/``, package data of ``stepd.transport``."""
+
+CONTENT_TYPES: Final[Mapping[str, str]] = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
+"""The only files served, by suffix: anything else in the folder is never sent."""
+
+CONSOLE_CSP: Final = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'; "
+    "require-trusted-types-for 'script'; trusted-types 'none'"
+)
+"""The console's Content-Security-Policy: its own files only, no inline script or
+style, no frames; and (Trusted Types, where the browser has them) no string ever
+reaches an HTML sink such as ``innerHTML``: it throws instead."""
+
+_UI_HEADERS: Final[tuple[tuple[bytes, bytes], ...]] = (
+    (b"content-security-policy", CONSOLE_CSP.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+    (b"cross-origin-resource-policy", b"same-origin"),
+)
+_UI_CACHE: Final = (b"cache-control", b"no-cache")
+_ASSET_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*")
+
+
+@dataclass(frozen=True, slots=True)
+class Asset:
+    """One file of the console, as served."""
+
+    body: bytes
+    content_type: str
+    etag: bytes
+
+
+def _console_root() -> Traversable:
+    root = resources.files(__package__).joinpath(CONSOLE_DIR)
+    if root.is_dir():
+        return root
+    # A strict editable install links only declared files: use the folder itself.
+    return Path(__file__).resolve().parent / CONSOLE_DIR
+
+
+@functools.cache
+def console_assets() -> Mapping[str, Asset]:
+    """The console's files by name (``index.html``, ``js/run.js``), read once.
+
+    Only files whose every path segment is a plain name (letters, digits,
+    ``_``, ``-``, dots between them: no dotfile, no ``..``) and whose suffix is
+    in `CONTENT_TYPES` are kept. A request is answered from this mapping by
+    exact name, so nothing in a request path reaches the file system.
+    """
+    assets: dict[str, Asset] = {}
+
+    def walk(folder: Traversable, prefix: str) -> None:
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if not _ASSET_NAME.fullmatch(entry.name):
+                continue
+            if entry.is_dir():
+                walk(entry, f"{prefix}{entry.name}/")
+                continue
+            ctype = CONTENT_TYPES.get(Path(entry.name).suffix)
+            if ctype is None:
+                continue
+            body = entry.read_bytes()
+            etag = f'"{hashlib.sha256(body).hexdigest()[:32]}"'.encode()
+            assets[prefix + entry.name] = Asset(body, ctype, etag)
+
+    root = _console_root()
+    if root.is_dir():
+        walk(root, "")
+    return assets
+
+
+def _etag_matches(header: bytes | None, etag: bytes) -> bool:
+    if header is None:
+        return False
+    tags = [t.strip().removeprefix(b"W/") for t in header.split(b",")]
+    return etag in tags or b"*" in tags
+
+
+async def _send_asset(scope: Scope, send: Send, name: str | None) -> int:
+    """One console file; 404 for any name that is not exactly one of them."""
+    asset = console_assets().get(name) if name else None
+    if asset is None:
+        body = encode_json({"error": "not_found", "message": "no such file in the console"})
+        await _send(send, 404, body, [_JSON, *_UI_HEADERS])
+        return 404
+    headers = [(b"etag", asset.etag), _UI_CACHE, *_UI_HEADERS]
+    if _etag_matches(_header(scope, b"if-none-match"), asset.etag):
+        await send({"type": "http.response.start", "status": 304, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+        return 304
+    headers += [(b"content-type", asset.content_type.encode()),
+                (b"content-length", str(len(asset.body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body",
+                "body": b"" if scope["method"] == "HEAD" else asset.body})
+    return 200
 
 
 class _ClientGone(Exception):
@@ -317,6 +456,12 @@ class HttpApp:
         if handler is OPENAPI:
             await _send(send, 200, openapi_bytes(), [_JSON])
             return 200
+        if handler is UI:
+            return await _send_asset(scope, send, target)
+        if handler is UI_REDIRECT:
+            # /ui/ is the page: its relative links (./app.js) then resolve under /ui/.
+            await _send(send, 308, b"", [(b"location", b"/ui/"), _UI_CACHE, *_UI_HEADERS])
+            return 308
         if handler is CONNECT:
             upgrade = {"error": "upgrade_required",
                        "message": "this endpoint is the worker WebSocket: send an Upgrade request"}

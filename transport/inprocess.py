@@ -157,3 +157,11 @@ class InProcess:
         """``POST /v1/api/actors/kill`` -> ``{"path"}``."""
         return await self._call(Operation.KILL, body=body)
 
+    async def definitions(self) -> dict[str, Any]:
+        """``GET /v1/api/definitions`` -> ``{"definitions"}``: every registered definition."""
+        return await self._call(Operation.DEFINITIONS)
+
+    async def stats(self) -> dict[str, Any]:
+        """``GET /v1/api/stats`` -> ``{"runs_by_status", "workers", "live_leases"}``."""
+        return await self._call(Operation.STATS)
+

@@ -296,6 +296,8 @@ class Operation(IdentityEnum):
     AUDIT = "audit"
     ACTORS = "actors"
     KILL = "kill"
+    DEFINITIONS = "definitions"
+    STATS = "stats"
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +342,8 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
     Operation.ACTORS: OperationSpec(Need.ADMIN, AuditAction.ACTORS_READ, None, "none"),
     Operation.KILL: OperationSpec(Need.ADMIN, AuditAction.ACTORS_KILL, None, "required",
                                   mutation=True),
+    Operation.DEFINITIONS: OperationSpec(Need.READ, AuditAction.DEFINITIONS_READ, None, "none"),
+    Operation.STATS: OperationSpec(Need.READ, AuditAction.STATS_READ, None, "none"),
 }
 
 _LEASE_OPS: Final[Mapping[Operation, Op]] = {
@@ -632,6 +636,20 @@ class Protocol:
             path = parse_kill(body)
             restarted = await e.kill(path)
             return Reply(200, {"path": path, "restarted": restarted})
+        if op is Operation.DEFINITIONS:
+            return Reply(200, {"definitions": [dict(d, registered_at=iso_ms(d["registered_at"]))
+                                               for d in e.definitions()]})
+        if op is Operation.STATS:
+            # Runs by status from the engine's counters (kept by every transition,
+            # as /metrics reads them); workers as GET /v1/api/workers lists them.
+            workers = self._workers()
+            return Reply(200, {
+                "runs_by_status": {s: max(0, e.status_counts.get(s, 0))
+                                   for s in sorted(RUN_STATUSES)},
+                "workers": {"registered": len(workers),
+                            "connected": sum(1 for w in workers if w["connected"])},
+                "live_leases": sum(len(w["leases"]) for w in workers),
+            })
         raise AssertionError(f"unhandled operation {op}")  # pragma: no cover
 
     # -- the operations that need more than one engine call --------------------------------

@@ -300,6 +300,22 @@ class Engine:
             ],
         }
 
+    def definitions(self) -> list[dict[str, Any]]:
+        """GET /v1/api/definitions: every registered definition, by name, oldest version first.
+
+        Reads the catalog, and the workers table (through `_load_workers`) for
+        the ids of the workers holding each (name, version).
+        """
+        held: dict[tuple[str, str | None], list[str]] = {}
+        for info in self._load_workers():
+            for name_version in {(k[0], k[1]) for k in info.keys}:
+                held.setdefault(name_version, []).append(info.worker_id)
+        return [{"name": name, "version": reg.definition.version,
+                 "definition_hash": reg.definition.definition_hash,
+                 "registered_at": reg.registered_at, "definition": reg.definition.to_json(),
+                 "worker_ids": sorted(held.get((name, reg.definition.version), ()))}
+                for name in self.catalog.names() for reg in self.catalog.versions(name)]
+
     def _load_workers(self) -> list[WorkerInfo]:
         out = []
         for _, raw in self.storage.scan(store.WORKERS):

@@ -87,10 +87,11 @@ def test_entry_refuses_bad_fields(kw: dict[str, Any], field: str) -> None:
     assert info.value.field == field
 
 
-def test_actions_are_the_specified_twelve() -> None:
+def test_actions_are_the_specified_twelve_and_the_consoles_two() -> None:
     assert {a.value for a in AuditAction} == {
         "runs.read", "runs.list", "runs.journal", "runs.export", "runs.result", "runs.start",
         "runs.signal", "runs.cancel", "actors.read", "actors.kill", "audit.read", "workers.read",
+        "definitions.read", "stats.read",  # GET /v1/api/definitions, /v1/api/stats (docs/console.md)
     }  # fmt: skip
 
 

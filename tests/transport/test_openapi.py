@@ -62,6 +62,8 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("get", "/v1/api/audit"): "admin",
     ("get", "/v1/api/actors"): "admin",
     ("post", "/v1/api/actors/kill"): "admin",
+    ("get", "/v1/api/definitions"): "read",
+    ("get", "/v1/api/stats"): "read",
     ("get", "/healthz"): None,
     ("get", "/metrics"): None,
 }
