@@ -1,0 +1,1 @@
+"""The reliability campaign: long fault-injection tests, outside the default suite."""
