@@ -521,16 +521,19 @@ def query_time(query: Mapping[str, Any], key: str) -> int | None:
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
-def query_json(query: Mapping[str, Any], key: str) -> Any:
+def query_json(query: Mapping[str, Any], key: str, *, max_len: int = 4096) -> Any:
     """A query parameter holding a JSON value other than null (text that is not
     JSON is taken as a JSON string, so ``?correlation=T-42`` means ``"T-42"``).
 
     Raises:
-        Invalid: JSON null, or a value storage could not hold.
+        Invalid: JSON null, text over `max_len` characters, or a value storage
+            could not hold.
     """
     raw = query.get(key)
     if raw is None:
         return None
+    if isinstance(raw, str) and len(raw) > max_len:
+        raise Invalid(f"must be at most {max_len} characters", field=key)
     if not isinstance(raw, str):
         value = copy_json(raw)
     else:

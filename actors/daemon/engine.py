@@ -671,10 +671,12 @@ class Engine:
             body = dict(body or {})
             usage, spans = step_usage(body.get("usage"), body.get("spans"), self.config.prices)
             body["usage"], body["spans"] = usage, spans
+        sent = False  # an incarnation took the call, then died before answering
         for attempt in range(RETRIES):
             try:
                 ref = self.system.resolve(f"/leases/{lease_id}")
                 if ref.alive:
+                    sent = True
                     return dict(await ref.ask(LeaseCall(op, body, caller)))
             except (ActorNotFound, ActorDead):
                 pass
@@ -693,6 +695,8 @@ class Engine:
                 raise NotFound(f"lease {lease_id!r} not found")
             reason = store.durable_reason(pair[0], pair[1], op)
             if reason is not None:
+                if sent and _own_outcome(pair[0], op):
+                    return {}  # our first delivery landed; its answer died with the actor
                 raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
             # Live on record but no actor: it is being restarted, or its end is
             # being written. Either way the answer is moments away.
@@ -916,6 +920,12 @@ class Engine:
             )
         except ChildExists:
             pass
+        except (ActorDead, ActorNotFound):
+            # /leases is restarting (a /leases or /registry kill): recovery runs
+            # after it comes back and resyncs every active run, which starts the
+            # actors of their live leases. Crashing the run here instead made it
+            # fail its restarts in a tight loop until /runs escalated.
+            pass
 
     def push_cancel(self, record: LeaseRecord, reason: str) -> None:
         listener = self._cancel_listeners.get(record.worker_id)
@@ -1108,8 +1118,13 @@ class PushSession:
                 spec = await slots.receive()  # no loop turn when a slot is there
             except anyio.EndOfStream:
                 return
-            lease = await self.engine.ask_run(spec.run_id, Offer(spec, self.worker_id, self.name),
-                                              quiet=True)
+            try:
+                lease = await self.engine.ask_run(
+                    spec.run_id, Offer(spec, self.worker_id, self.name), quiet=True)
+            except Unavailable:
+                # Its run did not come up (a /runs kill under load): the run
+                # re-announces the slot when it is back; this connection goes on.
+                lease = None
             if lease is None:
                 self.waiter.credit += 1  # stale slot: the credit is still the worker's
                 self.resubscribe()
@@ -1146,6 +1161,12 @@ async def _index_old_runs(storage: Storage) -> None:
         after = await storage.write(listing.rebuild_txn, after, 1000)
         if after is None:
             return
+
+
+def _own_outcome(lease_raw: dict[str, Any], op: Op) -> bool:
+    """The lease ended the way `op` ends it (a complete found completed, a fail failed)."""
+    final = {Op.COMPLETE: "completed", Op.FAIL: "failed"}.get(op)
+    return final is not None and lease_raw.get("status") == final
 
 
 def created_ids(writes: list[store.RunWrite]) -> list[str]:

@@ -139,10 +139,13 @@ class RunActor(Actor):
         if initial is not None:
             self.machine, tr = initial
         else:
-            if self._restarted:
-                # The incarnation before this one crashed: writes it left behind
-                # (deferred offers) must be on record before we read the record.
-                await e.storage.write(store.barrier_txn)
+            # Writes an earlier incarnation left behind (deferred offers) must be
+            # on record before we read the record: after a crash of this actor,
+            # and as much after its supervisor restarted (a /runs or /registry
+            # kill) and this run was activated afresh; else an offer made just
+            # before the kill is made again, same attempt and fence, to another
+            # worker (the campaign's kill races found that).
+            await e.storage.write(store.barrier_txn)
             raw = e.storage.read(store.load_run_txn, self.run_id)
             if raw is None:
                 raise LookupError(f"run {self.run_id} is not on record")
@@ -309,7 +312,12 @@ class RunActor(Actor):
             except Conflict:
                 return  # told, not asked: the lease's next call gets the refusal
         else:
-            tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+            try:
+                tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+            except Conflict:
+                if self._landed(msg):
+                    return  # this very call landed before an incarnation died under it
+                raise
         if queued_at is not None:
             self.engine.sample_schedule_to_start((now - queued_at) / 1000.0)
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
@@ -328,6 +336,22 @@ class RunActor(Actor):
             # the asker gets ActorDead and asks the rebuilt incarnation again.
             raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
         await self._effects(tr)
+
+    def _landed(self, msg: ApplyAttempt) -> bool:
+        """The call `msg` asks for is on record already: the lease ended as it would.
+
+        An ask is retried when the actor it reached died before answering (a
+        kill, a crash): the first delivery may have committed. The lease actor
+        answers a second call of the same lease from memory before it asks, so
+        an ApplyAttempt meeting its own outcome on record is that retry, and its
+        answer is success, not a 409 (a landed complete once came back
+        run_terminal when its run actor was killed during the call).
+        """
+        final = msg.lease.get("status")
+        if msg.op is Op.STARTED or final not in ("completed", "failed"):
+            return False
+        raw = self.engine.storage.get(store.LEASES, msg.lease_id)
+        return isinstance(raw, dict) and raw.get("status") == final
 
     async def _note(self, msg: AttemptNote) -> None:
         try:
