@@ -23,6 +23,7 @@ transports (HTTP, WebSocket, in-process) are thin adapters over them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -671,13 +672,14 @@ class Engine:
             body = dict(body or {})
             usage, spans = step_usage(body.get("usage"), body.get("spans"), self.config.prices)
             body["usage"], body["spans"] = usage, spans
+        token = next(_CALL_TOKENS)
         sent = False  # an incarnation took the call, then died before answering
         for attempt in range(RETRIES):
             try:
                 ref = self.system.resolve(f"/leases/{lease_id}")
                 if ref.alive:
                     sent = True
-                    return dict(await ref.ask(LeaseCall(op, body, caller)))
+                    return dict(await ref.ask(LeaseCall(op, body, caller, token)))
             except (ActorNotFound, ActorDead):
                 pass
             # No live actor: judge from the durable record.
@@ -695,7 +697,7 @@ class Engine:
                 raise NotFound(f"lease {lease_id!r} not found")
             reason = store.durable_reason(pair[0], pair[1], op)
             if reason is not None:
-                if sent and _own_outcome(pair[0], op):
+                if sent and _own_outcome(pair[0], op, token):
                     return {}  # our first delivery landed; its answer died with the actor
                 raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
             # Live on record but no actor: it is being restarted, or its end is
@@ -1163,10 +1165,14 @@ async def _index_old_runs(storage: Storage) -> None:
             return
 
 
-def _own_outcome(lease_raw: dict[str, Any], op: Op) -> bool:
-    """The lease ended the way `op` ends it (a complete found completed, a fail failed)."""
+_CALL_TOKENS = itertools.count(1)
+
+
+def _own_outcome(lease_raw: dict[str, Any], op: Op, token: int) -> bool:
+    """This very call (`token`) ended the lease as `op` ends it; not an earlier one."""
     final = {Op.COMPLETE: "completed", Op.FAIL: "failed"}.get(op)
-    return final is not None and lease_raw.get("status") == final
+    return (final is not None and lease_raw.get("status") == final
+            and lease_raw.get("call") == token)
 
 
 def created_ids(writes: list[store.RunWrite]) -> list[str]:

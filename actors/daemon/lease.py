@@ -160,6 +160,7 @@ class LeaseActor(Actor):
         if final is not None:
             stored["status"] = final.value
             stored["ended_at"] = now
+            stored["call"] = call.token
         elif rec.delivery == "at_least_once":
             # Nothing durable is acknowledged by an at_least_once `started`
             # (PROTOCOL.md asks that only of at_most_once): tell the run and

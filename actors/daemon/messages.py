@@ -45,6 +45,10 @@ class LeaseCall:
     # The worker registered on the connection the call came in on, when the
     # transport knows it (WebSocket, in process); None over plain HTTP.
     caller: str | None = None
+    # Names this call (unique in the process): written into the lease record
+    # with the outcome it lands, so a retry after its actor died can tell its
+    # own landed outcome (answered 200) from an earlier call's (409).
+    token: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -338,20 +338,21 @@ class RunActor(Actor):
         await self._effects(tr)
 
     def _landed(self, msg: ApplyAttempt) -> bool:
-        """The call `msg` asks for is on record already: the lease ended as it would.
+        """The call `msg` carries is on record already: this very call landed.
 
         An ask is retried when the actor it reached died before answering (a
-        kill, a crash): the first delivery may have committed. The lease actor
-        answers a second call of the same lease from memory before it asks, so
-        an ApplyAttempt meeting its own outcome on record is that retry, and its
-        answer is success, not a 409 (a landed complete once came back
-        run_terminal when its run actor was killed during the call).
+        kill, a crash): the first delivery may have committed. The lease record
+        names the call that ended it (`LeaseCall.token`), so a retry meeting its
+        own outcome answers success, not a 409 (a landed complete once came back
+        run_terminal when its run actor was killed during the call), while a
+        second call meeting an earlier one's outcome still hears the 409.
         """
         final = msg.lease.get("status")
-        if msg.op is Op.STARTED or final not in ("completed", "failed"):
+        token = msg.lease.get("call")
+        if msg.op is Op.STARTED or final not in ("completed", "failed") or not token:
             return False
         raw = self.engine.storage.get(store.LEASES, msg.lease_id)
-        return isinstance(raw, dict) and raw.get("status") == final
+        return isinstance(raw, dict) and raw.get("status") == final and raw.get("call") == token
 
     async def _note(self, msg: AttemptNote) -> None:
         try:
