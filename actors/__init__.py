@@ -8,7 +8,9 @@ The model in one paragraph: an `Actor` handles one immutable message at a time
 from a bounded mailbox; callers hold an `ActorRef` to its path and `tell` or
 `ask`. A `Supervisor` starts children from `ChildSpec` data, restarts them per
 `Restart` type and `Strategy`, and escalates to its parent past its restart
-intensity (`add_restart`). Timers are owned by actors and read a `Clock`
+intensity (`add_restart`). Actors own no task: the system's scheduler runs
+them on a pool of dispatcher tasks, and an ask to an idle actor runs its
+handler in the asker's task. Timers are owned by actors and read a `Clock`
 (`SystemClock`, or `ManualClock` in tests). An `ActorSystem` runs the tree,
 resolves paths, kills actors for fault injection, and reports `tree()` and
 `statistics()`. See docs/actors.md.

@@ -11,7 +11,8 @@ The hierarchy, and when each error reaches you:
 * `ActorKilled`: never raised to a caller; it is the crash *reason* of an actor
   killed with `ActorSystem.kill` (seen as `ActorDead.reason` by its pending
   askers, and by the supervisor that applies its child spec; a kill skips
-  `on_stop`).
+  `on_stop`), or of one whose handler was abandoned when the task running it
+  inline was cancelled.
 * `ActorNotFound`: `ActorSystem.resolve` (and friends) found nothing at a path.
   Also a `LookupError`.
 * `ChildExists`: `start_child` was given an id its supervisor already has. Also
@@ -74,13 +75,21 @@ class ActorDead(ActorError):
 class ActorKilled(ActorError):
     """The crash reason of an actor killed on purpose (fault injection).
 
+    Also the reason of an incarnation whose handler was abandoned half way
+    because the task running it inline (an asker's, a starter's) was
+    cancelled: its state cannot be trusted, so it ends like a killed one and
+    is restarted from scratch, not counted toward the restart intensity.
+
     Attributes:
         path: the killed actor's path.
+        detail: why, when it was not `ActorSystem.kill` (else `None`).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, detail: str | None = None) -> None:
         self.path = path
-        super().__init__(f"actor {path} was killed")
+        self.detail = detail
+        text = f"actor {path} was killed"
+        super().__init__(text if detail is None else f"{text}: {detail}")
 
 
 class ActorNotFound(ActorError, LookupError):

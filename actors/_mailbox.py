@@ -1,43 +1,35 @@
 """What travels through a mailbox besides plain told messages.
 
-A mailbox (`Mailbox`) is a bounded queue with the calls of an anyio memory
-object stream pair (`send`/`send_nowait`, `receive`/`receive_nowait`,
-`close`), built on a deque and the backend's own wake-up (`Waiter`): the
-actor loop and every ask pass through it, and anyio's streams cost several
-times more per message. A *tell* puts the message itself in it: no envelope.
-An *ask* puts an `Ask`, which is both the envelope and the one-shot reply
-slot: the caller waits on it, the actor fills it. That makes an ask one
-mailbox send plus one reply wake-up, with one small object and one `Waiter`
-per ask, and no task or cancel scope unless the caller gave a timeout.
+A *tell* puts the message itself in an actor's mailbox: no envelope. An ask
+that cannot run inline (the actor is busy or has messages queued, or the ask
+has a timeout) puts an `Ask`, which is both the envelope and the one-shot
+reply slot: the caller waits on it, the actor fills it. That makes such an ask
+one mailbox send plus one reply wake-up, with one small object and one
+`Waiter`, and no task or cancel scope unless the caller gave a timeout.
 
-`WAKE` is a private token the runtime drops into a mailbox (non-blocking, at
-most one at a time) to wake an idle actor when something arrives on its
-*system queue* (a fired timer, a child's exit, a stop request), which is
-served before the mailbox.
+A `Mailbox` is a bounded queue with the calls of an anyio memory object
+stream pair (`send`/`send_nowait`, `receive`/`receive_nowait`, `close`),
+built on a deque and the backend's own wake-up (`Waiter`); anyio's streams
+cost several times more per message.
+
+The actor runtime keeps each incarnation's mailbox in the `Runtime` itself
+(a deque, its bound, and the waiters of blocked senders: no object of its
+own, one method call less per message); `Mailbox` is the same discipline as a
+standalone object, exported for other hand-offs on one event loop (the
+WebSocket transport's outgoing frames, the engine's push sessions).
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Generic, TypeVar
-
 from collections import deque
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from ._waiter import Waiter
 
-__all__ = ["WAKE", "Ask", "Mailbox"]
-
-
-class _Wake:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<WAKE>"
-
-
-WAKE: Final = _Wake()
+__all__ = ["Ask", "Mailbox"]
 
 
 class Ask:

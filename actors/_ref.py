@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 
 from ._errors import ActorDead
 from ._mailbox import Ask
@@ -22,11 +23,17 @@ from ._messages import _VERDICTS, check_message
 from ._stats import ActorStatistics
 
 if TYPE_CHECKING:
-    from ._actor import Runtime
+    from ._runtime import Runtime
 
-__all__ = ["ActorRef", "Cell"]
+__all__ = ["CHECKPOINT_EVERY", "ActorRef", "Cell"]
 
-_SEND_FAILED = (anyio.BrokenResourceError, anyio.ClosedResourceError)
+#: `tell` and inline asks skip the event loop when they can; one call in this
+#: many takes an anyio checkpoint anyway, so a task that only tells or asks
+#: still lets others run and still notices its cancellation.
+CHECKPOINT_EVERY = 64
+
+_checkpoint = anyio.lowlevel.checkpoint
+_calls = 0
 
 
 class Cell:
@@ -66,8 +73,8 @@ class Cell:
             kind=self.kind,
             state=rt.state,
             restarts=self.restarts,
-            mailbox_depth=rt.mailbox.depth() if not rt.closed else 0,
-            mailbox_size=rt.mailbox.size,
+            mailbox_depth=len(rt.queue),
+            mailbox_size=rt.size,
             timers=len(rt.timers),
             started_at=rt.started_at,
         )
@@ -113,20 +120,30 @@ class ActorRef:
         """Put `message` in the actor's mailbox, waiting while the mailbox is full.
 
         Returns once the message is queued, not when it is handled. A message
-        queued to an incarnation that then dies is dropped.
+        queued to an incarnation that then dies is dropped. It does not yield
+        to the event loop when there is room (one call in `CHECKPOINT_EVERY`
+        does): the mailbox's bound is what holds a fast producer back.
 
         Raises:
             MutableMessageError: `message` is not of an immutable type.
             ActorDead: no incarnation accepts messages at this path (or it died
                 while this call waited for room).
         """
+        global _calls
+        _calls += 1
+        if _calls >= CHECKPOINT_EVERY:
+            _calls = 0
+            await _checkpoint()
         if _VERDICTS.get(type(message)) is not True:
             check_message(message)
         rt = self._runtime()
-        try:
-            await rt.mailbox.send(message)
-        except _SEND_FAILED:
-            raise ActorDead(self.path, rt.reason) from None
+        queue = rt.queue
+        if len(queue) < rt.size:
+            queue.append(message)
+            if not rt.busy and not rt.scheduled:
+                rt.sched.schedule(rt)
+            return
+        await rt.put(message)
 
     def tell_nowait(self, message: object) -> None:
         """Put `message` in the actor's mailbox if there is room right now.
@@ -139,13 +156,23 @@ class ActorRef:
         if _VERDICTS.get(type(message)) is not True:
             check_message(message)
         rt = self._runtime()
-        try:
-            rt.mailbox.send_nowait(message)
-        except _SEND_FAILED:
-            raise ActorDead(self.path, rt.reason) from None
+        queue = rt.queue
+        if len(queue) >= rt.size:
+            raise anyio.WouldBlock
+        queue.append(message)
+        if not rt.busy and not rt.scheduled:
+            rt.sched.schedule(rt)
 
     async def ask(self, message: object, *, timeout: float | None = None) -> Any:
         """Send `message` and wait for the actor's reply (what `receive` returned).
+
+        If the actor is idle (running, nothing queued, no handler in flight)
+        and no `timeout` is given, the handler runs right here in the
+        caller's task (an *inline ask*: no task switch). Otherwise the request
+        goes through the mailbox and a dispatcher runs it. Cancelling the
+        caller during an inline handler ends the incarnation like a kill (it
+        is restarted from scratch, not counted toward its supervisor's
+        intensity) and the cancellation goes on in the caller.
 
         Args:
             message: an immutable message.
@@ -165,29 +192,35 @@ class ActorRef:
             Exception: whatever the handler raised, if its type is listed in
                 the actor's `reply_errors` (the actor lives on).
         """
+        global _calls
+        _calls += 1
+        if _calls >= CHECKPOINT_EVERY:
+            _calls = 0
+            await _checkpoint()
         if _VERDICTS.get(type(message)) is not True:
             check_message(message)
         rt = self._runtime()
-        request = Ask(message)
         if timeout is None:
+            if rt.inline and not rt.busy and not rt.queue and not rt.sysq:
+                return await rt.ask_inline(message)
+            request = Ask(message)
             await self._send_ask(rt, request)
             return await request.wait()
+        request = Ask(message)
         with anyio.fail_after(timeout):
             await self._send_ask(rt, request)
             return await request.wait()
 
     async def _send_ask(self, rt: Runtime, request: Ask) -> None:
         # No checkpoint when there is room: the caller blocks on the reply
-        # right after, which is the ask's checkpoint. That saves an event loop
-        # turn per ask. (`Mailbox.put`, inlined: one coroutine less per ask.)
-        box = rt.mailbox
-        try:
-            try:
-                box.send_nowait(request)
-            except anyio.WouldBlock:
-                await box.send(request)
-        except _SEND_FAILED:
-            raise ActorDead(self.path, rt.reason) from None
+        # right after, which is the ask's checkpoint.
+        queue = rt.queue
+        if len(queue) < rt.size:
+            queue.append(request)
+            if not rt.busy and not rt.scheduled:
+                rt.sched.schedule(rt)
+            return
+        await rt.put(request)
 
     def statistics(self) -> ActorStatistics:
         """Return a snapshot of the actor at this path (see `ActorStatistics`)."""

@@ -1,11 +1,12 @@
 """Supervisors in the OTP sense: they start, watch, restart and stop children.
 
 A `Supervisor` is itself an `Actor` (so it has a path, can be killed, and can
-sit under another supervisor). Its children run as tasks in its own task
-group; each child task runs one incarnation and, when it ends on its own,
-queues the exit on the supervisor's system queue. The supervisor's loop serves
-those exits one at a time and applies the child's `Restart` type and the
-supervisor's `Strategy`.
+sit under another supervisor). Its children are incarnations (`Runtime`s) it
+keeps in a dict: they own no task; the system's dispatchers run them. When a
+child's incarnation ends on its own, its exit is queued on the supervisor's
+system queue, and the supervisor (run by a dispatcher like any actor) serves
+those exits one at a time and applies the child's `Restart` type and its own
+`Strategy`.
 
 Lifecycle, in order:
 
@@ -14,11 +15,14 @@ Lifecycle, in order:
    returned) before the next begins. If one fails, those already started are
    stopped in reverse order and the supervisor fails to start (`StartFailed`).
 2. Running: dynamic children come and go with `start_child` / `stop_child`.
-   These are direct calls that spawn into (or stop within) the supervisor's
-   task group from the caller's task, with no mailbox hop, so thousands per
-   second are cheap and a slow `on_start` does not hold up other starts.
+   These are direct calls from the caller's task (the child's `on_start`, or
+   its `on_stop`, runs right there), with no mailbox hop, so thousands per
+   second are cheap and a slow `on_start` does not hold up other starts. A
+   child with neither hook costs an object and a dict entry to start or stop.
 3. Stopping (normally, or after escalating): children are stopped one by one
    in reverse start order, each gracefully within its spec's `shutdown`.
+   Killed: its children are cancelled where they stand (no `on_stop`), and it
+   finishes once the last of them has.
 
 Restarts: each restart of the supervisor (one child, or a group under
 `ONE_FOR_ALL` / `REST_FOR_ONE`) after a crash is recorded in the `add_restart`
@@ -40,10 +44,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import anyio
-from anyio.abc import TaskGroup, TaskStatus
-
-from ._actor import Actor, Runtime
+from ._actor import Actor
 from ._errors import (
     ActorDead,
     ActorKilled,
@@ -54,6 +55,7 @@ from ._errors import (
 )
 from ._intensity import add_restart
 from ._ref import ActorRef, Cell
+from ._runtime import Runtime
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 from ._stats import ActorTree
 
@@ -139,7 +141,6 @@ class Supervisor(Actor):
         self.period = period
         self._children: dict[str, _Child] = {}
         self._restarts: tuple[float, ...] = ()
-        self._tg: TaskGroup | None = None
         self._accepting = False
 
     # -- public API ---------------------------------------------------------
@@ -147,8 +148,9 @@ class Supervisor(Actor):
     async def start_child(self, spec: ChildSpec) -> ActorRef:
         """Start a child now and return its ref once its `on_start` has returned.
 
-        The child joins the end of the start order. Call it from any task; the
-        child runs in this supervisor's task group.
+        The child joins the end of the start order. Call it from any task: the
+        child's `on_start` runs in the caller's task (cancelling the caller
+        cancels the start and leaves nothing behind).
 
         Raises:
             ChildExists: this supervisor already has a child with `spec.id`.
@@ -171,20 +173,27 @@ class Supervisor(Actor):
         self._children[spec.id] = child
         cell.register()
         try:
-            return await self._start_incarnation(child)
+            runtime = self._incarnate(child)
+            if runtime.start_hook:
+                await runtime.start_inline()
+            else:
+                runtime.mark_started()  # nothing to wait for: an object and a dict entry
         except BaseException:
             if self._children.get(spec.id) is child:
                 self._remove(child)
             raise
+        return cell.ref()
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a child without waiting for its `on_start`; return its ref at once.
 
         For children whose `on_start` loads nothing (the caller hands them their
-        state), on a hot path: it saves the startup handshake's event loop turn.
-        Messages sent to the ref before `on_start` finishes wait in its mailbox.
-        If `on_start` fails, that counts as a crash of the child (its spec
-        decides on a restart), since no caller is waiting to hear of it.
+        state), on a hot path. A child without `on_start` is simply running
+        when this returns; otherwise a dispatcher runs its `on_start`, and
+        messages sent to the ref meanwhile wait in its mailbox. If `on_start`
+        fails, that counts as a crash of the child (reason `StartFailed`, its
+        ``__cause__`` the exception; its spec decides on a restart), since no
+        caller is waiting to hear of it.
 
         Raises:
             ChildExists: this supervisor already has a child with `spec.id`.
@@ -201,29 +210,21 @@ class Supervisor(Actor):
             raise ChildExists(_child_path(rt.path, spec.id))
         cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
         child = _Child(spec, cell)
-        try:
-            actor = spec.start()
-            if not isinstance(actor, Actor):
-                raise TypeError(f"ChildSpec {spec.id!r}: start() must return an Actor, got {actor!r}")
-            runtime = Runtime(actor, cell, rt.system)
-        except Exception as exc:
-            raise StartFailed(cell.path) from exc
+        runtime = self._incarnate(child)
         self._children[spec.id] = child
         cell.register()
-        child.runtime = runtime
-        cell.current = runtime
-        assert self._tg is not None
-        self._tg.start_soon(self._run_child_unwatched, child, runtime)
+        if runtime.start_hook:
+            runtime.start_soon()
+        else:
+            runtime.mark_started()
         return cell.ref()
-
-    async def _run_child_unwatched(self, child: _Child, runtime: Runtime) -> None:
-        await self._run_child(child, runtime, task_status=anyio.TASK_STATUS_IGNORED)
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
 
         It is not restarted, whatever its restart type. Returns once it has
-        finished, `on_stop` included.
+        finished, `on_stop` included (an idle child's `on_stop` runs in the
+        caller's task, shielded from the caller's cancellation).
 
         Raises:
             ActorNotFound: no child has this id.
@@ -233,6 +234,9 @@ class Supervisor(Actor):
         if child is None:
             raise ActorNotFound(_child_path(rt.path, child_id))
         self._remove(child)
+        runtime = child.runtime
+        if runtime is not None and runtime.stop_now():
+            return  # idle, no on_stop: stopped synchronously
         await self._stop_incarnation(child)
 
     def count_children(self) -> int:
@@ -262,42 +266,54 @@ class Supervisor(Actor):
 
     # -- lifecycle ------------------------------------------------------------
 
-    async def _actor_main(self, rt: Runtime, task_status: TaskStatus[ActorRef]) -> None:
-        failure: Exception | None = None
+    async def _actor_start(self) -> None:
+        rt = self._rt()
+        await self.on_start()
         try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                try:
-                    await self.on_start()
-                    for spec in self.static_children:
-                        cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-                        child = _Child(spec, cell)
-                        self._children[spec.id] = child
-                        cell.register()
-                        await self._start_incarnation(child)
-                    self._accepting = True
-                    rt.mark_started(task_status)
-                    await rt.loop()
-                except Exception as exc:  # noqa: BLE001 - re-raised after the task group
-                    # A static child failed to start, or the restart intensity
-                    # was exceeded: stop the rest, then fail outside the task
-                    # group so the error is not wrapped in an ExceptionGroup.
-                    failure = exc
-                finally:
-                    self._accepting = False
-                await self._stop_all()
-        finally:
-            # Cancelled (killed, or the parent died): the task group has
-            # cancelled the children and waited for them; unregister them.
-            for child in list(self._children.values()):
-                self._remove(child)
-        if failure is not None:
-            raise failure
+            for spec in self.static_children:
+                cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
+                child = _Child(spec, cell)
+                self._children[spec.id] = child
+                cell.register()
+                await self._start_incarnation(child)
+        except Exception:
+            # A static child failed to start: stop the rest in reverse order,
+            # then fail (the caller of our own start hears StartFailed).
+            await self._stop_all()
+            raise
+        except BaseException:
+            self._cancel_children(rt)  # cancelled half way: nothing stays behind
+            raise
+        self._accepting = True
+
+    async def _actor_stop(self, reason: BaseException | None) -> None:
+        self._accepting = False
+        await self._stop_all()
+        await self.on_stop(reason)
 
     async def _stop_all(self) -> None:
+        self._accepting = False
         for child in reversed(list(self._children.values())):
             self._remove(child)
             await self._stop_incarnation(child)
+
+    def _cancel_children(self, rt: Runtime) -> None:
+        """Cancel every child where it stands, last started first (kill, brutal end).
+
+        Called by `Runtime.cancel` on this supervisor: the children are not
+        reported (nor restarted), and this incarnation finishes only after the
+        last of them has finished.
+        """
+        self._accepting = False
+        for child in reversed(list(self._children.values())):
+            self._remove(child)
+            runtime = child.runtime
+            if runtime is not None and not runtime.done:
+                runtime.expected_exit = True
+                runtime.cancel(None)
+                if not runtime.done and runtime.blocker is None:
+                    rt.holders += 1
+                    runtime.blocker = rt
 
     def _remove(self, child: _Child) -> None:
         child.removed = True
@@ -308,43 +324,44 @@ class Supervisor(Actor):
         if runtime is not None and runtime.done:
             runtime.release()
 
-    async def _start_incarnation(self, child: _Child) -> ActorRef:
-        system = self._rt().system
+    def _incarnate(self, child: _Child) -> Runtime:
+        """Make the child's next incarnation (not started) and install it in its cell.
+
+        Raises:
+            StartFailed: the factory raised or returned a non-Actor, or the
+                actor cannot run (a bad `mailbox_size`, a reused instance).
+            ActorDead: this supervisor is ending.
+        """
+        rt = self._rt()
+        if rt.closed or rt.cancelled:
+            raise ActorDead(rt.path, rt.reason)
         try:
             actor = child.spec.start()
             if not isinstance(actor, Actor):
                 raise TypeError(
                     f"ChildSpec {child.spec.id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = Runtime(actor, child.cell, system)
+            runtime = Runtime(actor, child.cell, rt.system, child, self)
         except Exception as exc:
             raise StartFailed(child.cell.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
         child.runtime = runtime
         child.cell.current = runtime
-        assert self._tg is not None
-        try:
-            ref: ActorRef = await self._tg.start(self._run_child, child, runtime)
-        except BaseException:
-            if not runtime.closed:  # it never ran: release its mailbox
-                runtime._close(None)
-                runtime._finish(None)
-            raise
-        return ref
+        return runtime
 
-    async def _run_child(
-        self, child: _Child, runtime: Runtime, *, task_status: TaskStatus[ActorRef]
-    ) -> None:
-        try:
-            reason = await runtime.run(task_status=task_status)
-        finally:
-            if child.removed and runtime.done:
-                runtime.release()
-        if not runtime.expected_exit and child.runtime is runtime and not child.removed:
-            rt = self._actor_runtime
-            if rt is not None and not rt.closed:
-                rt.sysq.append(_ChildExit(child, runtime, reason))
-                rt.poke()
+    async def _start_incarnation(self, child: _Child) -> ActorRef:
+        runtime = self._incarnate(child)
+        if runtime.start_hook:
+            await runtime.start_inline()
+        else:
+            runtime.mark_started()
+        return child.cell.ref()
+
+    def _child_exited(self, child: _Child, runtime: Runtime, reason: BaseException | None) -> None:
+        rt = self._actor_runtime
+        if rt is not None and not rt.closed:
+            rt.sysq.append(_ChildExit(child, runtime, reason))
+            rt.notify()
 
     async def _stop_incarnation(self, child: _Child) -> None:
         runtime = child.runtime
@@ -354,21 +371,16 @@ class Supervisor(Actor):
         shutdown = child.spec.shutdown
         if shutdown == "brutal":
             runtime.cancel(None)
-        else:
-            if shutdown is None:
-                is_sup = isinstance(runtime.actor, Supervisor)
-                shutdown = float("inf") if is_sup else DEFAULT_WORKER_SHUTDOWN
-            runtime.request_stop()
-            with anyio.move_on_after(shutdown):
-                await runtime.wait_done()
-            runtime.cancel(None)
-        await runtime.wait_done()
+            await runtime.wait_done()
+            return
+        if shutdown is None:
+            shutdown = float("inf") if runtime.actor._actor_is_supervisor else (
+                DEFAULT_WORKER_SHUTDOWN)
+        await runtime.stop_gracefully(shutdown)
 
     async def _actor_system_item(self, item: object) -> None:
         if type(item) is _ChildExit:
             await self._on_child_exit(item)
-        else:
-            await super()._actor_system_item(item)
 
     async def _on_child_exit(self, event: _ChildExit) -> None:
         child = event.child
@@ -376,7 +388,8 @@ class Supervisor(Actor):
             return  # stale: stopped on purpose, or already replaced
         reason = event.reason
         if isinstance(reason, ActorKilled):
-            log.info("actor %s was killed (fault injection); restarting it", child.cell.path)
+            log.info("actor %s was killed (%s); restarting it", child.cell.path,
+                     reason.detail or "fault injection")
         elif reason is not None:
             # Every crash is seen at the default level: a restart loop must
             # never be silent.
@@ -509,3 +522,7 @@ class SupervisorRef(ActorRef):
 
 
 Supervisor._actor_ref_type = SupervisorRef
+# Its handlers (a child's exit, its own start and stop) start and stop other
+# actors inline, so they run inside a cancel scope entered up front.
+Supervisor._actor_scoped = True
+Supervisor._actor_is_supervisor = True

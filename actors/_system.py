@@ -1,8 +1,9 @@
 """The entry point: an `ActorSystem` owns the root supervisor, registry and timers.
 
 ``async with ActorSystem(clock=..., root=Supervisor(...)) as system:`` opens
-one task group that holds the timer service and the root supervisor (and
-through it every actor), so no task outlives the block.
+one task group that holds the timer service, the dispatcher pool of the
+scheduler (which runs every actor: actors own no task) and a task watching
+the root supervisor, so no task outlives the block.
 
 Leaving the block:
 
@@ -10,7 +11,8 @@ Leaving the block:
   gracefully (children in reverse start order, each within its `shutdown`),
   then the timer service ends; the body's exception, if any, propagates as is.
 * cancelled from outside: every actor is cancelled brutally (no `on_stop`),
-  pending asks still fail with `ActorDead`, and the cancellation propagates.
+  pending asks still fail with `ActorDead` (handlers running inline in other
+  tasks are cancelled too), and the cancellation propagates.
 
 If the root supervisor crashes (its restart intensity was exceeded, so it
 raised `SupervisorEscalation`), the system's task group cancels the body and
@@ -27,10 +29,11 @@ from typing import Self
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from ._actor import Runtime
 from ._clock import Clock, SystemClock
 from ._errors import ActorDead, ActorKilled, ActorNotFound
 from ._ref import ActorRef, Cell
+from ._runtime import Runtime
+from ._scheduler import DEFAULT_MAX_DISPATCHERS, Scheduler
 from ._spec import ChildSpec
 from ._stats import ActorStatistics, ActorTree
 from ._supervisor import Supervisor, SupervisorRef
@@ -53,18 +56,33 @@ class ActorSystem:
             `Supervisor`, to which `spawn` adds children). It starts when the
             block is entered, static children included, and `__aenter__`
             returns only after all of them finished `on_start`.
+        max_dispatchers: the most dispatcher tasks the scheduler runs at
+            once, i.e. how many handlers may wait (on I/O, on another actor)
+            at the same time; past it, ready actors wait for one to return.
+
+    Raises:
+        TypeError: `root` is not a `Supervisor`.
+        ValueError: `max_dispatchers` is not a positive int.
     """
 
-    def __init__(self, *, clock: Clock | None = None, root: Supervisor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock | None = None,
+        root: Supervisor | None = None,
+        max_dispatchers: int = DEFAULT_MAX_DISPATCHERS,
+    ) -> None:
         if root is not None and not isinstance(root, Supervisor):
             raise TypeError(f"root must be a Supervisor, got {root!r}")
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._root = root if root is not None else Supervisor()
         self._registry: dict[str, Cell] = {}
         self._timers = TimerService(self.clock)
+        self._sched = Scheduler(max_dispatchers)
         self._tg: TaskGroup | None = None
         self._root_rt: Runtime | None = None
         self._timer_scope: anyio.CancelScope | None = None
+        self._dispatch_scope: anyio.CancelScope | None = None
         self._entered = False
 
     # -- lifecycle ------------------------------------------------------------
@@ -85,11 +103,17 @@ class ActorSystem:
         self._tg = tg
         try:
             await tg.start(self._run_timers)
+            await tg.start(self._run_dispatchers)
             cell = Cell("/", self._registry)
             cell.register()
             self._root_rt = Runtime(self._root, cell, self)
             cell.current = self._root_rt
-            await tg.start(self._run_root)
+            try:
+                await self._root_rt.start_inline()  # the root's start, in this task
+            except BaseException:
+                cell.retire()
+                raise
+            tg.start_soon(self._watch_root, name="stepd.actors root watcher")
         except BaseException as exc:
             tg.cancel_scope.cancel()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -126,6 +150,14 @@ class ActorSystem:
                 # The system failed (its task group cancelled us) while stopping:
                 # let the task group swallow its own cancellation and report why.
                 pending = stop_exc
+        if pending is not None:
+            # Cancelled from outside (or the root failed): end every actor where
+            # it stands, so that no ask waits on one, and forget them all.
+            rt = self._root_rt
+            if rt is not None:
+                rt.cancel(None)
+                rt.cell.retire()
+            self._stop_services()
         if pending is None:
             await tg.__aexit__(None, None, None)
         else:
@@ -135,25 +167,41 @@ class ActorSystem:
         try:
             rt = self._root_rt
             if rt is not None and not rt.done:
-                rt.request_stop()
+                await rt.stop_gracefully(float("inf"))
                 await rt.wait_done()
         finally:
-            if self._timer_scope is not None:
-                self._timer_scope.cancel()
+            self._stop_services()
+
+    def _stop_services(self) -> None:
+        self._sched.close()
+        if self._dispatch_scope is not None:
+            self._dispatch_scope.cancel()
+        if self._timer_scope is not None:
+            self._timer_scope.cancel()
 
     async def _run_timers(self, *, task_status: TaskStatus[None]) -> None:
         with anyio.CancelScope() as scope:
             self._timer_scope = scope
             await self._timers.run(task_status=task_status)
 
-    async def _run_root(self, *, task_status: TaskStatus[ActorRef]) -> None:
-        assert self._root_rt is not None
+    async def _run_dispatchers(self, *, task_status: TaskStatus[None]) -> None:
+        """Own the dispatchers' task group until the system stops."""
+        async with anyio.create_task_group() as tg:
+            self._dispatch_scope = tg.cancel_scope
+            self._sched.tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def _watch_root(self) -> None:
+        """Raise the root supervisor's failure in the system's task group."""
+        rt = self._root_rt
+        assert rt is not None
         try:
-            reason = await self._root_rt.run(task_status=task_status)
+            await rt.wait_done()
         finally:
-            self._root_rt.cell.retire()
-        if reason is not None:
-            raise reason
+            rt.cell.retire()
+        if rt.reason is not None:
+            raise rt.reason
 
     # -- addressing -----------------------------------------------------------
 

@@ -37,7 +37,7 @@ from anyio.abc import TaskStatus
 from ._clock import Clock
 
 if TYPE_CHECKING:
-    from ._actor import Runtime
+    from ._runtime import Runtime
 
 __all__ = ["TimerEntry", "TimerService"]
 
@@ -136,7 +136,7 @@ class TimerService:
             self._live -= 1
             owner = entry.owner
             owner.sysq.append(entry)
-            owner.poke()
+            owner.notify()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Fire due timers, then sleep until the next deadline; forever."""

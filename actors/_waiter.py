@@ -1,4 +1,4 @@
-"""A one-shot wake-up on the running backend's own primitive.
+"""Backend shims: a one-shot wake-up, and the identity of the current cancel scope.
 
 Every ask waits for one reply and every idle actor waits for one message: the
 runtime's hottest waits. `anyio.Event` is correct but goes through the backend
@@ -10,6 +10,12 @@ makes the next `wait()` return at once; cancellation (an anyio cancel scope,
 `fail_after`) interrupts `wait()` normally.
 
 Only the waiting side needs to know the backend; `set()` is a plain call.
+
+`cancel_scope_token()` names the current task's innermost cancel scope (an
+anyio scope on asyncio, trio's cancel status on trio). The handler driver
+(`_drive.py`) compares it before and after a handler's first step to learn
+whether the handler suspended inside a cancel scope of its own, which decides
+whether a kill scope may be entered around the rest of the handler.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ try:  # trio is a dependency, but the runtime must not need it on asyncio
 except ImportError:  # pragma: no cover
     _trio_lowlevel = None  # type: ignore[assignment]
 
-__all__ = ["Waiter", "current_time"]
+__all__ = ["Waiter", "cancel_scope_token", "current_time"]
 
 _get_running_loop = asyncio.get_running_loop
+_running_loop = asyncio._get_running_loop  # None outside asyncio, without raising
+_current_task = asyncio.current_task
 
 
 def current_time() -> float:
@@ -101,3 +109,48 @@ class Waiter:
             return _trio_lowlevel.Abort.SUCCEEDED
 
         await _trio_lowlevel.wait_task_rescheduled(abort)
+
+
+# anyio keeps each asyncio task's innermost cancel scope in a private
+# WeakKeyDictionary; one task (the last one asked about) is cached, because a
+# weak-keyed lookup costs more than the rest of an inline ask.
+_states: Any = None
+_cached_task: Any = None
+_cached_state: Any = None
+
+
+def _asyncio_states() -> Any:
+    global _states
+    try:
+        from anyio._backends._asyncio import _task_states
+    except ImportError:  # pragma: no cover - anyio moved it: never "same scope"
+        _task_states = None  # type: ignore[assignment]
+    _states = _task_states
+    return _states
+
+
+def cancel_scope_token() -> object:
+    """Return an object naming the current task's innermost cancel scope.
+
+    Two calls in one task return the same object exactly when no cancel scope
+    was entered (and left open) in between. If the backend's internals cannot
+    be read, every call returns a fresh object (never "the same"), which is
+    the safe answer.
+    """
+    global _cached_task, _cached_state
+    if _running_loop() is not None:
+        task = _current_task()
+        if task is _cached_task:
+            return _cached_state.cancel_scope
+        states = _states if _states is not None else _asyncio_states()
+        if states is None:  # pragma: no cover
+            return object()
+        state = states.get(task)
+        if state is None:
+            return None  # no anyio scope in this task yet (not cached: one may come)
+        _cached_task, _cached_state = task, state
+        return state.cancel_scope
+    try:
+        return _trio_lowlevel.current_task()._cancel_status
+    except AttributeError:  # pragma: no cover - trio changed: never "same scope"
+        return object()

@@ -10,8 +10,12 @@ for asyncio and for trio:
 * tells/s: one producer filling a bounded mailbox as fast as the actor drains
   it (backpressure included), measured until the actor has handled them all;
 * concurrent asks/s: 100 callers asking one actor at once;
-* dynamic child start+stop/s: `start_child` (with the `on_start` handshake)
-  then `stop_child` (graceful, with `on_stop`), one after the other;
+* dynamic child start+stop/s: `start_child` then `stop_child` (graceful), one
+  after the other, of an actor that overrides neither `on_start` nor
+  `on_stop` (so the handshake and the stop have nothing to wait for);
+* the same with `start_child_nowait`;
+* the same with an actor that overrides both (trivial hooks: the handshake
+  and a graceful stop that runs `on_stop`);
 * timer fire+deliver/s: 1,000 actors, each with a timer armed in on_start,
   all fired by one virtual clock advance and handled (arming not timed).
 
@@ -55,6 +59,17 @@ class Sink(Actor):
 class Idle(Actor):
     async def receive(self, message: Any) -> Any:
         return None
+
+
+class Hooked(Actor):
+    async def on_start(self) -> None:
+        self.loaded = True
+
+    async def receive(self, message: Any) -> Any:
+        return None
+
+    async def on_stop(self, reason: BaseException | None) -> None:
+        self.loaded = False
 
 
 class TimerActor(Actor):
@@ -140,6 +155,32 @@ async def bench_children(system: ActorSystem, n: int) -> float:
     return rate
 
 
+async def bench_children_nowait(system: ActorSystem, n: int) -> float:
+    runs = await system.root.start_child(ChildSpec("runs_nw", Supervisor))
+    sup = system.supervisor("/runs_nw")
+    t0 = time.perf_counter()
+    for i in range(n):
+        child_id = f"r_{i}"
+        sup.start_child_nowait(ChildSpec(child_id, Idle))
+        await sup.stop_child(child_id)
+    rate = n / (time.perf_counter() - t0)
+    await system.stop(runs.path)
+    return rate
+
+
+async def bench_children_hooked(system: ActorSystem, n: int) -> float:
+    runs = await system.root.start_child(ChildSpec("runs_h", Supervisor))
+    sup = system.supervisor("/runs_h")
+    t0 = time.perf_counter()
+    for i in range(n):
+        child_id = f"r_{i}"
+        await sup.start_child(ChildSpec(child_id, Hooked))
+        await sup.stop_child(child_id)
+    rate = n / (time.perf_counter() - t0)
+    await system.stop(runs.path)
+    return rate
+
+
 async def bench_timers(n: int) -> float:
     clock = ManualClock()
     async with ActorSystem(clock=clock) as system:
@@ -171,6 +212,12 @@ async def run_backend(quick: bool) -> dict[str, float]:
         results["dynamic child start+stop/s"] = await _best(
             rounds, lambda: bench_children(system, 10_000 // scale)
         )
+        results["start_child_nowait+stop/s"] = await _best(
+            rounds, lambda: bench_children_nowait(system, 10_000 // scale)
+        )
+        results["start+stop with on_start/on_stop/s"] = await _best(
+            rounds, lambda: bench_children_hooked(system, 10_000 // scale)
+        )
     results["timer fire+deliver/s (1000 actors)"] = await _best(
         rounds, lambda: bench_timers(1_000 // scale)
     )
@@ -186,7 +233,7 @@ def main() -> None:
         results = anyio.run(run_backend, args.quick, backend=backend)
         print(f"{backend}:")
         for name, rate in results.items():
-            extra = f"  ({1e6 / rate:6.1f} us each)" if "ask" in name or "tell" in name else ""
+            extra = f"  ({1e6 / rate:6.1f} us each)" if "timer" not in name else ""
             print(f"  {name:34s} {rate:12,.0f}{extra}")
 
 

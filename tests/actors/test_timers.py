@@ -200,6 +200,9 @@ async def test_timers_fire_for_many_actors_from_one_service_task() -> None:
                 ChildSpec(f"t{i}", functools.partial(Timed, log, delay=1.0 + i / 100))
             )
         assert system._timers.live == 50
+        # Spawning runs on_start in this task without a task switch: let the
+        # timer service see its new heap head before asking the clock.
+        await settle()
         assert clock.next_deadline() == 1.0  # one sleeper: the service
         clock.advance(0.255)  # nothing yet
         await settle()

@@ -1,0 +1,197 @@
+"""The handler driver: run one handler coroutine, killable, with no scope when it never waits.
+
+Every hook of an incarnation (`on_start`, `receive`, a timer delivery, a
+supervisor's child exit, `on_stop`) is run by `drive()`, whoever runs it: a
+dispatcher task of the `Scheduler`, or the caller's own task (an inline ask,
+the `start_child` handshake, a graceful stop). A kill must interrupt the
+handler where it stands, which takes a cancel scope around it; an anyio cancel
+scope costs more than a whole inline ask (~3 µs on asyncio), so:
+
+1. The handler's first step runs bare (``coro.send(None)``). Most handlers
+   (an echo, the daemon's registry, bookkeeping) finish without ever waiting:
+   nothing else runs meanwhile, so nothing can kill them, and no scope is
+   needed.
+2. If it suspends, a cancel scope is entered *then*, around the rest of the
+   handler, which `_Resume` steps exactly as ``await`` would. That is sound
+   only if the handler did not itself suspend inside a cancel scope it opened
+   during that first step (its scope would have to close inside ours):
+   `cancel_scope_token()` before and after tells.
+3. If it did, the rest runs without our scope, and a kill is delivered at the
+   handler's next resumption (`Killed` is thrown in), and the actor's class
+   is marked `_actor_scoped`: from then on its handlers run inside a scope
+   entered before the first step. The usual reasons: a nested inline ask (the
+   inner ask's late scope is still open when the outer handler suspends), a
+   timeout, and on trio any sleep (`trio.sleep` opens a scope).
+
+`on_start` and `on_stop` always run in a scope entered first (`scoped=True`):
+they are rare next to messages, and a stop's deadline must hold.
+
+A kill (`Runtime.cancel`) cancels the scope in `rt.scope`; `drive()` then
+raises `Killed` (also when the handler swallowed the cancellation and
+returned). Whatever else the handler raises propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Coroutine, Generator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._waiter import cancel_scope_token
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+    from ._scheduler import Scheduler
+
+__all__ = ["Killed", "drive"]
+
+
+class Killed(BaseException):
+    """Raised out of `drive()` when the incarnation was cancelled (killed) meanwhile.
+
+    Private to the package; also what a deferred kill throws into a handler.
+    A `BaseException`, so a handler's ``except Exception`` lets it through.
+    """
+
+
+_NOTHING: Any = object()
+
+
+class _Resume:
+    """Await the rest of a coroutine whose first step was taken by hand.
+
+    `first` is what that step yielded (a future, a trio trap), handed up to
+    the event loop as if the coroutine had been awaited all along. With `rt`
+    set, a kill of `rt` is thrown into the coroutine at its next resumption
+    (the deferred kill of step 3 in the module docstring).
+    """
+
+    __slots__ = ("coro", "first", "rt")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any, rt: Runtime | None) -> None:
+        self.coro = coro
+        self.first = first
+        self.rt = rt
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, yielded, rt = self.coro, self.first, self.rt
+        self.coro = self.first = self.rt = None  # type: ignore[assignment]
+        send = coro.send
+        throw = coro.throw
+        try:
+            while True:
+                try:
+                    received = yield yielded
+                except GeneratorExit:
+                    coro.close()
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - handed to the handler
+                    yielded = throw(exc)
+                else:
+                    if rt is not None and rt.cancelled:
+                        yielded = throw(Killed())
+                    else:
+                        yielded = send(received)
+        except StopIteration as stop:
+            return stop.value
+
+
+async def drive(
+    rt: Runtime,
+    coro: Coroutine[Any, Any, Any],
+    base: object,
+    sched: Scheduler | None,
+    *,
+    shield: bool = False,
+    deadline: float = math.inf,
+    scoped: bool = False,
+) -> Any:
+    """Run `coro` (a hook of `rt`'s actor) to its end and return its value.
+
+    Args:
+        rt: the incarnation the handler belongs to (its `scope` is set while
+            the handler waits, so that `Runtime.cancel` can interrupt it).
+        coro: the handler's coroutine, not started yet.
+        base: `cancel_scope_token()` taken in this task just before.
+        sched: the scheduler when a dispatcher runs this (it counts the
+            dispatcher as blocked while the handler waits), else None.
+        shield: shield the handler from outside cancellation (`on_stop`).
+        deadline: cancel the handler at this event loop time (`on_stop`'s
+            shutdown limit); it then returns None.
+        scoped: enter the scope before the first step whatever the class
+            (`on_start` and `on_stop`: rare, and a deadline must hold).
+
+    Raises:
+        Killed: `rt` was cancelled while the handler ran.
+        BaseException: whatever the handler raised.
+    """
+    if scoped or rt.scoped:
+        return await _drive_scoped(rt, coro, sched, shield, deadline)
+    try:
+        yielded = coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    return await _drive_rest(rt, coro, yielded, base, sched, shield, deadline)
+
+
+async def _drive_rest(
+    rt: Runtime,
+    coro: Coroutine[Any, Any, Any],
+    yielded: Any,
+    base: object,
+    sched: Scheduler | None,
+    shield: bool,
+    deadline: float,
+) -> Any:
+    value = _NOTHING
+    if sched is not None:
+        sched.blocked()
+    try:
+        if cancel_scope_token() is base:
+            with anyio.CancelScope(shield=shield, deadline=deadline) as scope:
+                rt.scope = scope
+                if rt.cancelled:
+                    scope.cancel()
+                try:
+                    value = await _Resume(coro, yielded, None)
+                finally:
+                    rt.scope = None
+        else:
+            rt.scoped = True
+            type(rt.actor)._actor_scoped = True
+            value = await _Resume(coro, yielded, rt)
+    finally:
+        if sched is not None:
+            sched.unblocked()
+    if rt.cancelled:
+        raise Killed
+    return None if value is _NOTHING else value
+
+
+async def _drive_scoped(
+    rt: Runtime,
+    coro: Coroutine[Any, Any, Any],
+    sched: Scheduler | None,
+    shield: bool,
+    deadline: float,
+) -> Any:
+    value = _NOTHING
+    if sched is not None:
+        sched.blocked()
+    try:
+        with anyio.CancelScope(shield=shield, deadline=deadline) as scope:
+            rt.scope = scope
+            if rt.cancelled:
+                scope.cancel()
+            try:
+                value = await coro
+            finally:
+                rt.scope = None
+    finally:
+        if sched is not None:
+            sched.unblocked()
+    if rt.cancelled:
+        raise Killed
+    return None if value is _NOTHING else value

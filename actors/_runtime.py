@@ -1,0 +1,496 @@
+"""One incarnation of an actor: its mailbox, system queue, timers and life cycle.
+
+A `Runtime` is what an actor is at run time: a bounded mailbox (a deque and
+the waiters of senders blocked on it), a system queue (fired timers, child
+exits), a state, and flags. It owns no task. Whoever runs one of its handlers
+holds it `busy` (one handler at a time):
+
+* a dispatcher of the system's `Scheduler`, for a turn (`turn()`);
+* the caller's own task for an *inline ask* (`ask_inline()`: the actor was
+  idle with nothing queued, so the asker runs the handler itself, with no task
+  switch at all), for the `start_child` handshake (`start_inline()`), and for
+  a graceful stop by its supervisor (`stop_gracefully()`).
+
+When an owner is done and work is pending, the incarnation goes on the ready
+queue (`_release_owner()`): work that arrives during an inline ask is served
+by a dispatcher, never by the asker.
+
+How it ends (every path closes it first, synchronously: no more sends, the
+in-flight and queued asks fail with `ActorDead`, timers die):
+
+* normally or by a crash (`_stop_sequence`): then `on_stop` (if overridden),
+  shielded and bounded by the stopper's shutdown limit;
+* brutally (`cancel()`: a kill, a brutal shutdown, the system cancelled): the
+  handler in flight is cancelled where it stands (its cancel scope, see
+  `_drive.py`), no `on_stop`; a supervisor cancels its whole subtree, and
+  finishes only once every child has.
+
+`_finish` then reports the exit to the supervisor (its system queue), unless
+the supervisor asked for it (`expected_exit`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._drive import Killed, drive
+from ._errors import ActorDead, ActorKilled, StartFailed
+from ._mailbox import Ask
+from ._timers import TimerEntry
+from ._waiter import Waiter, cancel_scope_token, current_time
+
+if TYPE_CHECKING:
+    from ._actor import Actor
+    from ._ref import Cell
+    from ._scheduler import Scheduler
+    from ._supervisor import Supervisor, _Child
+    from ._system import ActorSystem
+
+__all__ = ["Runtime"]
+
+STARTING = "starting"
+RUNNING = "running"
+STOPPING = "stopping"
+DEAD = "dead"
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, anyio.get_cancelled_exc_class())
+
+
+class Runtime:
+    """The runtime state of one incarnation. Private to the package."""
+
+    # The fields every incarnation sets are slots; the ones most never change
+    # live in an instance dict (created on the first write) with class-level
+    # defaults, so that starting an actor stores a dozen fields, not forty.
+    __slots__ = (
+        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "done", "inline",
+        "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook", "started", "state",
+        "stop_hook", "sup", "sysq", "system", "timers",
+    )  # fmt: skip
+
+    senders: deque[Waiter] | None = None  # sends waiting for room
+    stop_requested = False
+    start_pending = False  # on_start waits for a dispatcher (start_child_nowait)
+    hook_pending = False  # on_stop waits for a dispatcher (after an inline crash)
+    hook_reason: BaseException | None = None
+    cancelled = False  # killed / brutally stopped: end where it stands
+    cancel_reason: BaseException | None = None
+    scope: anyio.CancelScope | None = None  # the waiting handler's scope
+    current: Ask | None = None  # the ask whose handler runs now (dispatcher path)
+    started_at: int | None = None
+    expected_exit = False  # its supervisor stops it: no exit report
+    holders = 0  # children a cancelled supervisor waits for
+    blocker: Runtime | None = None  # the cancelled supervisor waiting for us
+    finish_pending = False
+    _done_event: anyio.Event | None = None
+
+    def __init__(
+        self,
+        actor: Actor,
+        cell: Cell,
+        system: ActorSystem,
+        child: _Child | None = None,
+        sup: Supervisor | None = None,
+    ) -> None:
+        if actor._actor_incarnated:
+            raise RuntimeError(
+                f"{type(actor).__name__} instance was already started once; "
+                "ChildSpec.start must return a fresh actor for every incarnation"
+            )
+        cls = type(actor)
+        size = cls.mailbox_size
+        if type(size) is not int or size < 1:
+            raise ValueError(f"{cls.__name__}.mailbox_size must be an int >= 1, got {size!r}")
+        actor._actor_runtime = self
+        actor._actor_incarnated = True
+        self.actor = actor
+        self.cell = cell
+        self.system = system
+        self.sched: Scheduler = system._sched
+        self.child = child  # the supervisor's record of this child (None: the root)
+        self.sup = sup
+        self.queue: deque[Any] = deque()  # the mailbox
+        self.size = size
+        self.sysq: deque[Any] = deque()  # fired timers, child exits: served first
+        self.timers: dict[Hashable, TimerEntry] = {}
+        self.state = STARTING
+        self.start_hook = cls._actor_start_hook
+        self.stop_hook = cls._actor_stop_hook
+        self.scoped = cls._actor_scoped
+        self.busy = False  # someone runs a handler (or the start or stop) now
+        self.scheduled = False  # on the ready queue
+        self.inline = False  # running, accepting, no stop requested: asks may run inline
+        self.accepting = True
+        self.started = False
+        self.closed = False
+        self.done = False
+        self.reason: BaseException | None = None
+        cell.kind = cls.kind or cls.__name__
+
+    @property
+    def path(self) -> str:
+        return self.cell.path
+
+    # -- sending -------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Work arrived: queue this incarnation for a dispatcher unless someone runs it."""
+        if not self.busy and not self.scheduled and not self.done:
+            self.sched.schedule(self)
+
+    def put_nowait(self, item: object) -> None:
+        """Queue `item` if there is room (`anyio.WouldBlock` if not).
+
+        Raises:
+            ActorDead: the incarnation accepts no more messages.
+        """
+        if not self.accepting:
+            raise ActorDead(self.cell.path, self.reason)
+        if len(self.queue) >= self.size:
+            raise anyio.WouldBlock
+        self.queue.append(item)
+        if not self.busy and not self.scheduled:
+            self.sched.schedule(self)
+
+    async def put(self, item: object) -> None:
+        """Queue `item`, waiting while the mailbox is full.
+
+        Raises:
+            ActorDead: the incarnation stopped accepting (before or meanwhile).
+        """
+        while True:
+            if not self.accepting:
+                raise ActorDead(self.cell.path, self.reason)
+            if len(self.queue) < self.size:
+                self.queue.append(item)
+                if not self.busy and not self.scheduled:
+                    self.sched.schedule(self)
+                return
+            senders = self.senders
+            if senders is None:
+                senders = self.senders = deque()
+            waiter = Waiter()
+            senders.append(waiter)
+            try:
+                await waiter.wait()
+            except BaseException:
+                if not waiter.is_set():
+                    senders.remove(waiter)
+                elif senders and len(self.queue) < self.size:
+                    senders.popleft().set()  # pass on the room we were woken for
+                raise
+
+    def _take(self) -> Any:
+        item = self.queue.popleft()
+        senders = self.senders
+        if senders:
+            senders.popleft().set()
+        return item
+
+    # -- control, from other tasks ------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop after the handler in hand (a normal exit); new sends fail at once."""
+        if self.stop_requested or self.done:
+            return
+        self.stop_requested = True
+        self.accepting = False
+        self.inline = False
+        if self.state == RUNNING:
+            self.state = STOPPING
+        self.notify()
+
+    def cancel(self, reason: BaseException | None) -> None:
+        """End the incarnation where it stands (kill, brutal shutdown): no `on_stop`.
+
+        A supervisor cancels its children first (brutally, unreported) and
+        finishes after the last of them.
+        """
+        if self.done or self.cancelled:
+            return
+        self.cancelled = True
+        self.cancel_reason = reason
+        self.accepting = False
+        self.inline = False
+        if self.actor._actor_is_supervisor:
+            self.actor._cancel_children(self)  # type: ignore[attr-defined]
+        if self.busy:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+            return  # its owner ends it as the handler unwinds
+        self._close(reason)
+        self._finish(reason)
+
+    async def wait_done(self) -> None:
+        """Wait until the incarnation has finished, cleanup and `on_stop` included."""
+        if self.done:
+            return
+        if self._done_event is None:
+            self._done_event = anyio.Event()
+        await self._done_event.wait()
+
+    # -- starting ---------------------------------------------------------------
+
+    def mark_started(self) -> None:
+        """`on_start` has returned (or there is none): the incarnation runs."""
+        self.started = True
+        self.started_at = self.system.clock.time_ms()
+        if self.state == STARTING:
+            if self.stop_requested:
+                self.state = STOPPING
+            else:
+                self.state = RUNNING
+                self.inline = self.accepting
+
+    async def start_inline(self) -> None:
+        """Run the start hook in the caller's task: the `start_child` handshake.
+
+        Raises:
+            StartFailed: the hook raised (``__cause__``), or the incarnation
+                was killed or stopped before it returned. Nothing is left.
+            BaseException: the caller's own cancellation, after ending the
+                incarnation.
+        """
+        self.busy = True
+        try:
+            await drive(self, self.actor._actor_start(), None, None, scoped=True)
+        except BaseException as exc:
+            reason: BaseException | None
+            if self.cancelled:
+                reason = self.cancel_reason
+            elif isinstance(exc, Exception):
+                reason = exc
+            else:
+                reason = None  # the caller was cancelled: no half-started actor stays
+            self.expected_exit = True  # the caller hears of it; the supervisor does not
+            self._close(reason)
+            self._finish(reason)
+            if isinstance(exc, Exception | Killed):
+                raise StartFailed(self.cell.path) from reason
+            raise  # the caller's cancellation (or KeyboardInterrupt): as it is
+        self.mark_started()
+        self._release_owner()
+
+    def start_soon(self) -> None:
+        """Have a dispatcher run the start hook (`start_child_nowait`)."""
+        self.start_pending = True
+        self.notify()
+
+    # -- inline asks ----------------------------------------------------------
+
+    async def ask_inline(self, message: object) -> Any:
+        """Run the handler for an ask in the caller's task (the actor was idle).
+
+        Raises:
+            ActorDead: the handler crashed, or the incarnation was killed.
+            Exception: the handler's exception if listed in `reply_errors`.
+            BaseException: the caller's cancellation (the incarnation then
+                ends like a killed one: its state cannot be trusted).
+        """
+        self.busy = True
+        try:
+            value = await drive(self, self.actor.receive(message), cancel_scope_token(), None)
+        except BaseException as exc:  # noqa: BLE001 - sorted out by _inline_error, re-raised
+            raise self._inline_error(exc)  # ActorDead sets its own cause
+        self._release_owner()
+        return value
+
+    def _inline_error(self, exc: BaseException) -> BaseException:
+        path = self.cell.path
+        if self.cancelled:
+            reason = self.cancel_reason
+            self._end(reason)
+            if not isinstance(exc, Killed) and _is_cancel(exc):
+                return exc  # the caller is cancelled too
+            return _dead(path, reason)
+        if isinstance(exc, Exception):
+            errors = self.actor.reply_errors
+            if errors and isinstance(exc, errors):
+                self._release_owner()
+                return exc
+            self._crash_later(exc)
+            return _dead(path, exc)
+        # The asker was cancelled (or interrupted) half way through the handler:
+        # let it crash; it restarts from scratch like after a kill.
+        self._end(ActorKilled(path, "its handler was cancelled in the caller's task"))
+        return exc
+
+    def _release_owner(self) -> None:
+        """The inline owner is done: hand pending work to a dispatcher."""
+        self.busy = False
+        if self.done:
+            return
+        if self.stop_requested and self.started:
+            if not self.stop_hook:
+                self._close(None)
+                self._finish(None)
+                return
+        elif not self.queue and not self.sysq:
+            return
+        if not self.scheduled:
+            self.sched.schedule(self)
+
+    def _crash_later(self, reason: BaseException) -> None:
+        """A crash outside a dispatcher: close now; `on_stop` is a dispatcher's job."""
+        self._close(reason)
+        if self.started and self.stop_hook:
+            self.hook_pending = True
+            self.hook_reason = reason
+            self.busy = False
+            self.notify()
+        else:
+            self._finish(reason)
+
+    # -- stopping -------------------------------------------------------------------
+
+    def stop_now(self) -> bool:
+        """Stop a removed child's idle incarnation without `on_stop` right away.
+
+        Returns False (and does nothing) if that takes a wait: it is busy, or
+        has an `on_stop` to run.
+        """
+        if self.done:
+            return True
+        if self.busy or (self.stop_hook and self.started):
+            return False
+        self._close(None)
+        self._finish(None)
+        return True
+
+    async def stop_gracefully(self, timeout: float) -> None:
+        """Stop it (a normal exit, expected by its supervisor) within `timeout` seconds.
+
+        An idle incarnation is stopped right here (its `on_stop` in this task,
+        bounded by `timeout`); a busy one after its handler in hand, and
+        cancelled if that takes longer than `timeout`.
+        """
+        if self.done:
+            return
+        self.expected_exit = True
+        self.stop_requested = True
+        self.accepting = False
+        self.inline = False
+        if self.state == RUNNING:
+            self.state = STOPPING
+        if not self.busy:
+            self.busy = True
+            self.start_pending = False
+            reason = self.hook_reason if self.hook_pending else None
+            await self._stop_sequence(reason, timeout, None, cancel_scope_token())
+            return
+        with anyio.move_on_after(timeout):
+            await self.wait_done()
+        if not self.done:
+            self.cancel(None)
+            await self.wait_done()
+
+    async def _stop_sequence(
+        self, reason: BaseException | None, timeout: float, sched: Scheduler | None, base: object
+    ) -> None:
+        """Close, run `on_stop` (shielded, within `timeout`), finish. The owner holds `busy`."""
+        self._close(reason)
+        self.hook_pending = False
+        self.hook_reason = None
+        if self.started and self.stop_hook and not self.cancelled:
+            deadline = current_time() + timeout if timeout != math.inf else math.inf
+            try:
+                await drive(self, self.actor._actor_stop(reason), base, sched, shield=True,
+                            deadline=deadline, scoped=True)
+            except Killed:
+                if reason is None:
+                    reason = self.cancel_reason
+            except Exception as exc:  # noqa: BLE001 - a failing on_stop is an exit reason
+                if reason is None:
+                    reason = exc
+        self._finish(reason)
+
+    def _end(self, reason: BaseException | None) -> None:
+        """End brutally now: close and finish, no `on_stop`."""
+        self._close(reason)
+        self._finish(reason)
+
+    def _close(self, reason: BaseException | None) -> None:
+        """Stop accepting, fail every pending ask, drop the mailbox and timers.
+
+        Synchronous on purpose: no other task can slip a message in between.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.accepting = False
+        self.inline = False
+        self.reason = reason
+        self.state = STOPPING
+        path = self.cell.path
+        current = self.current
+        if current is not None:
+            self.current = None
+            current.set_error(ActorDead(path, reason))
+        queue = self.queue
+        while queue:
+            item = queue.popleft()
+            if type(item) is Ask:
+                item.set_error(ActorDead(path, reason))
+        senders = self.senders
+        while senders:
+            senders.popleft().set()  # they see `accepting` is off and raise ActorDead
+        if self.sysq:
+            self.sysq.clear()
+        if self.timers:
+            self.system._timers.cancel_all(self)
+
+    def _finish(self, reason: BaseException | None) -> None:
+        """The end: report the exit to the supervisor (unless it asked for it)."""
+        self.reason = reason
+        self.busy = False
+        if self.holders:
+            self.finish_pending = True  # a cancelled supervisor waits for its children
+            return
+        self.state = DEAD
+        self.done = True
+        self.finish_pending = False
+        event = self._done_event
+        if event is not None:
+            event.set()
+        blocker = self.blocker
+        if blocker is not None:
+            self.blocker = None
+            blocker.holders -= 1
+            if not blocker.holders and blocker.finish_pending:
+                blocker._finish(blocker.reason)
+        child, sup = self.child, self.sup
+        self.child = self.sup = None
+        if child is not None:
+            if child.removed:
+                self.release()
+            elif not self.expected_exit and child.runtime is self and sup is not None:
+                sup._child_exited(child, self, reason)
+
+    def release(self) -> None:
+        """Break the cycles of a finished incarnation whose child is gone for good.
+
+        The actor and its runtime refer to each other, and so do the cell and
+        the runtime: left alone, every finished incarnation is cyclic garbage.
+        A daemon finishes a lease actor per step, and the full GC passes that
+        garbage brings (each walking every live object) cost a third of its
+        CPU under load. Once released, plain reference counting frees it.
+        """
+        if self.cell.current is self:
+            self.cell.current = None
+        if self.actor._actor_runtime is self:
+            self.actor._actor_runtime = None
+
+    def has_pending(self) -> bool:
+        return bool(self.queue) or bool(self.sysq)
+
+
+def _dead(path: str, reason: BaseException | None) -> ActorDead:
+    return ActorDead(path, reason)

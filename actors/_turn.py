@@ -1,0 +1,139 @@
+"""A dispatcher's turn on one incarnation: the part of `Runtime` that dispatchers run.
+
+A dispatcher of the `Scheduler` that takes an incarnation off the ready queue
+marks it busy and calls `turn(rt, ...)`: a pending `on_start` (`start_child_nowait`)
+first, then, up to `TURN` items, a pending `on_stop` or stop request, the
+system queue (fired timers, child exits), the mailbox. A handler's failure
+ends the turn: a crash runs the stop sequence (`on_stop`) right here, a kill
+ends the incarnation where it stands.
+
+Functions of a `Runtime` (`_runtime.py`), split off to keep that class small.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._drive import Killed, drive
+from ._errors import StartFailed
+from ._mailbox import Ask
+from ._scheduler import TURN
+from ._timers import TimerEntry
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+    from ._scheduler import Scheduler
+
+__all__ = ["turn"]
+
+
+def _is_cancel(exc: BaseException) -> bool:
+    return isinstance(exc, anyio.get_cancelled_exc_class())
+
+
+
+async def _start_in_turn(rt: Runtime, sched: Scheduler, base: object) -> bool:
+    rt.start_pending = False
+    try:
+        await drive(rt, rt.actor._actor_start(), base, sched, scoped=True)
+    except BaseException as exc:
+        if rt.cancelled:
+            rt._end(rt.cancel_reason)
+            if _is_cancel(exc):
+                raise
+            return False
+        if isinstance(exc, Exception):
+            # Nobody awaits this start: it is a crash of the child.
+            failed = StartFailed(rt.cell.path)
+            failed.__cause__ = exc
+            rt._end(failed)
+            return False
+        rt._end(None)
+        raise
+    rt.mark_started()
+    return True
+
+
+async def turn(rt: Runtime, sched: Scheduler, base: object) -> int:
+    """Serve up to `TURN` items for a dispatcher, which has set `busy`.
+
+    Stop requests first, then the system queue, then the mailbox. Returns
+    how many items were handled; re-queues the incarnation if work is left.
+    """
+    handled = 0
+    try:
+        if rt.start_pending and not await _start_in_turn(rt, sched, base):
+            return 1
+        queue = rt.queue
+        sysq = rt.sysq
+        while handled < TURN and not rt.done:
+            if rt.hook_pending:
+                await rt._stop_sequence(rt.hook_reason, math.inf, sched, base)
+                break
+            if rt.stop_requested:
+                await rt._stop_sequence(None, math.inf, sched, base)
+                break
+            handled += 1
+            try:
+                if sysq:
+                    await _serve_system(rt, sysq.popleft(), sched, base)
+                elif queue:
+                    await _serve(rt, rt._take(), sched, base)
+                else:
+                    handled -= 1
+                    break
+            except BaseException as exc:  # noqa: BLE001 - sorted out, re-raised if it must
+                await _handler_failed(rt, exc, sched, base)
+                break
+        return handled
+    finally:
+        rt.busy = False
+        if not rt.done and not rt.scheduled and (
+            rt.queue or rt.sysq or rt.stop_requested or rt.hook_pending
+        ):
+            sched.schedule(rt)
+
+
+async def _serve(rt: Runtime, item: Any, sched: Scheduler, base: object) -> None:
+    actor = rt.actor
+    if type(item) is Ask:
+        rt.current = item
+        try:
+            value = await drive(rt, actor.receive(item.message), base, sched)
+        except Exception as exc:
+            errors = actor.reply_errors
+            if errors and isinstance(exc, errors):
+                rt.current = None
+                item.set_error(exc)
+                return
+            raise
+        rt.current = None
+        item.set_value(value)
+    else:
+        await drive(rt, actor.receive(item), base, sched)
+
+
+async def _serve_system(rt: Runtime, item: Any, sched: Scheduler, base: object) -> None:
+    if type(item) is TimerEntry:
+        if rt.system._timers.delivered(item):
+            await drive(rt, rt.actor.receive(item.message), base, sched)
+    else:
+        await drive(rt, rt.actor._actor_system_item(item), base, sched)
+
+
+async def _handler_failed(
+    rt: Runtime, exc: BaseException, sched: Scheduler, base: object
+) -> None:
+    if rt.cancelled:
+        rt._end(rt.cancel_reason)
+        if not isinstance(exc, Killed) and _is_cancel(exc):
+            raise exc  # the dispatcher is cancelled too (the system stops)
+        return
+    if isinstance(exc, Exception):
+        await rt._stop_sequence(exc, math.inf, sched, base)  # a crash: on_stop runs
+        return
+    rt._end(None)  # the dispatcher is cancelled: the system is being torn down
+    raise exc
