@@ -107,6 +107,10 @@ class Storage:
         self._call_soon = call_soon
         self._local_call_soon = local_call_soon
         self._staged: list[Request] = []
+        # Requests submitted and not yet delivered back (committed, or failed):
+        # zero means everything written so far is on record (`settled`).
+        self._unsettled = 0
+        self._unsettled_elsewhere = False
         self._closing = False
         self._writer_done = anyio.Event()
         self._writer_error: BaseException | None = None
@@ -268,6 +272,7 @@ class Storage:
 
     def _deliver(self, batch: list[Request]) -> None:
         """On the loop thread, once per batch: wake its callers, report deferred errors."""
+        self._unsettled -= len(batch)
         for req in batch:
             if req.waiter is not None:
                 req.waiter.set()
@@ -368,7 +373,9 @@ class Storage:
             raise StorageClosed("the storage is closed or closing; no more writes")
         if threading.get_ident() != self._loop_thread:
             self._writer.submit([req])
+            self._unsettled_elsewhere = True  # counted on no thread: `settled` stays False
             return
+        self._unsettled += 1
         self._staged.append(req)
         if len(self._staged) == 1:
             self._local_call_soon(self._flush_staged)
@@ -385,6 +392,16 @@ class Storage:
                 req.error = StorageClosed("the storage writer stopped")
                 req.error.__cause__ = exc.__cause__
             self._deliver(staged)
+
+    def settled(self) -> bool:
+        """True when every write submitted from the event loop so far is on record.
+
+        A reader that must see what was written before it (a run actor loading
+        its record after an earlier incarnation's deferred writes) can skip the
+        barrier write then. Loop thread only; after a write from another thread
+        it is False for good (that thread's writes are not counted).
+        """
+        return self._unsettled == 0 and not self._unsettled_elsewhere
 
     # -- reads --------------------------------------------------------------
 

@@ -144,8 +144,10 @@ class RunActor(Actor):
             # and as much after its supervisor restarted (a /runs or /registry
             # kill) and this run was activated afresh; else an offer made just
             # before the kill is made again, same attempt and fence, to another
-            # worker (the campaign's kill races found that).
-            await e.storage.write(store.barrier_txn)
+            # worker (the campaign's kill races found that). Nothing pending at
+            # all (the common case) needs no barrier.
+            if not e.storage.settled():
+                await e.storage.write(store.barrier_txn)
             raw = e.storage.read(store.load_run_txn, self.run_id)
             if raw is None:
                 raise LookupError(f"run {self.run_id} is not on record")

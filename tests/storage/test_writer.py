@@ -450,3 +450,18 @@ async def test_a_dead_writer_fails_its_callers_and_the_context(tmp_path: Path) -
                     await storage.write(noop_txn)
                 await anyio.sleep(WAIT_S * 2)  # cancelled: the context fails loudly
     assert isinstance(info.value.__cause__, WriterDies)
+
+
+async def test_settled_says_whether_every_write_is_on_record(tmp_path: Path) -> None:
+    """`Storage.settled`: what lets a reader skip a barrier when nothing is pending."""
+    async with Storage.open(str(tmp_path / "s")) as storage:
+        assert storage.settled()
+
+        def put(txn: Any, key: str) -> None:
+            txn.put("runs", key, {"k": key})
+
+        storage.write_deferred(put, "a")
+        assert not storage.settled()
+        await storage.write(put, "b")  # ordered after "a": both committed and delivered
+        assert storage.settled()
+        assert storage.get("runs", "a") == {"k": "a"}
