@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+
 from stepd.actors import Actor, ActorSystem, ChildSpec, ManualClock, Supervisor
 
 

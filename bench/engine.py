@@ -26,7 +26,7 @@ import anyio
 import lmdb
 
 from stepd.actors.daemon import Engine
-from stepd.engine.lease import Op
+from stepd.sansio.lease import Op
 
 
 def seq(n: int) -> dict[str, Any]:

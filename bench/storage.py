@@ -30,6 +30,7 @@ from pathlib import Path
 
 import anyio
 import lmdb
+
 from stepd.storage import Storage, WriteTxn, encode
 
 RECORD = encode({"run_id": "r" * 26, "status": "running", "step": 7, "pad": b"\x5a" * 140})

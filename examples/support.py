@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import stepd
-from stepd.engine.pricing import PriceBook
+from stepd.sansio.pricing import PriceBook
 
 PRICES = PriceBook.from_dict({"models": {
     "fast-1": {"input_per_million": 0.25, "output_per_million": 1.25},

@@ -39,8 +39,8 @@ import httpx
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from stepd import _wire
-from stepd._http1 import Http1Client, Http1Error, Http1Response
 from stepd._errors import NotFound, Unavailable, error_from_answer, translate
+from stepd._http1 import Http1Client, Http1Error, Http1Response
 
 if TYPE_CHECKING:
     from stepd.embedded import Embedded
@@ -445,7 +445,7 @@ class InProcessChannel(Channel):
         self._outstanding = [0]
 
     async def _invoke(self, op: str, *args: Any) -> dict[str, Any]:
-        from stepd.engine.errors import StepdError
+        from stepd.sansio.errors import StepdError
 
         try:
             return await getattr(self.daemon.inprocess, op)(*args)  # type: ignore[no-any-return]

@@ -1,6 +1,6 @@
 """The errors the SDK raises, and the one place an HTTP error answer becomes one.
 
-The hierarchy is the engine's (`stepd.engine.errors`, closed; STYLE.md rule 15)
+The hierarchy is the engine's (`stepd.sansio.errors`, closed; STYLE.md rule 15)
 plus what a client or a body needs::
 
     StepdError
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from stepd.engine.errors import (
+from stepd.sansio.errors import (
     AlreadyApplied,
     Conflict,
     Fenced,

@@ -23,8 +23,8 @@ import abc
 import collections
 import functools
 import heapq
-import itertools
 import inspect
+import itertools
 import logging
 import random
 import threading
@@ -37,7 +37,6 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from stepd.actors import Waiter, current_time
 from stepd._bodies import Active, Body, Definition, call_in_thread
 from stepd._channels import Channel, HttpChannel, InProcessChannel, Lost, Unencodable
 from stepd._errors import (
@@ -53,13 +52,13 @@ from stepd._errors import (
     StepFailure,
     Unavailable,
 )
+from stepd.actors import Waiter, current_time
 from stepd.context import StepContext, _current_ctx
 
 if TYPE_CHECKING:
     import httpx
 
     from stepd._http1 import Http1Client
-
     from stepd.embedded import Embedded
 
 log = logging.getLogger("stepd.worker")

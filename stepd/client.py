@@ -49,13 +49,13 @@ import anyio
 import httpx
 
 from stepd import _wire
-from stepd._http1 import Http1Client, Http1Error, wants_httpx
 from stepd._errors import Unavailable, error_from_answer, run_error
+from stepd._http1 import Http1Client, Http1Error, wants_httpx
 from stepd._runs import TERMINAL, RunStatus, RunSummary
 from stepd.actors import current_time
-from stepd.engine.canonical import canonical_json
-from stepd.engine.durations import Duration, parse_duration
-from stepd.engine.errors import Invalid
+from stepd.sansio.canonical import canonical_json
+from stepd.sansio.durations import Duration, parse_duration
+from stepd.sansio.errors import Invalid
 
 if TYPE_CHECKING:
     from stepd.embedded import Embedded

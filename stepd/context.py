@@ -14,7 +14,7 @@ A body is called ``body(ctx, input, steps)`` (or with fewer parameters; see
   (the parent is the enclosing span, else the step's own span); each is sent
   with its *own* usage, and the daemon sums every span into the step's usage,
   so a body that records its model calls as spans never sums by hand
-  (`stepd.engine.pricing`). ``ctx.set_usage(...)`` overrides the sum;
+  (`stepd.sansio.pricing`). ``ctx.set_usage(...)`` overrides the sum;
 * heartbeats: ``ctx.heartbeat(progress)`` (optional: the worker heartbeats on
   its own while the body runs; calls are coalesced, the last progress wins);
 * learns it was cancelled (the lease was fenced, the run ended, the worker is

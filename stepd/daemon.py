@@ -63,10 +63,10 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.exceptions import InvalidState
 
 from stepd.actors.daemon import Engine, EngineConfig
-from stepd.engine.errors import Invalid
-from stepd.engine.pricing import PriceBook
-from stepd.engine.run import DEFAULT_MAX_CHILD_DEPTH
 from stepd.gc_policy import tune_gc
+from stepd.sansio.errors import Invalid
+from stepd.sansio.pricing import PriceBook
+from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH
 from stepd.transport.audit import AuditLog
 from stepd.transport.auth import KeyRing, check_bind_address
 from stepd.transport.http import create_app

@@ -183,7 +183,7 @@ class Embedded:
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Embedded]:
         from stepd.actors.daemon import Engine, EngineConfig
-        from stepd.engine.pricing import PriceBook
+        from stepd.sansio.pricing import PriceBook
         from stepd.transport.audit import AuditLog
         from stepd.transport.auth import KeyRing
         from stepd.transport.inprocess import InProcess
@@ -287,7 +287,7 @@ def embedded(
         path: the data directory (LMDB). One process may open it at a time.
         lease_ttl_ms, heartbeat_ms, recovery_window_ms, max_request_ms: the
             protocol's numbers (PROTOCOL.md "Defaults"); None keeps the default.
-        prices: a price book: a `stepd.engine.pricing.PriceBook`, or the path of
+        prices: a price book: a `stepd.sansio.pricing.PriceBook`, or the path of
             its TOML file.
         audit: keep the audit log of runs calls, as ``stepd serve`` does
             (off by default: every caller is this process).

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
-from stepd.engine.definition import (
+from stepd.sansio.definition import (
     BUDGET_NAMES,
     MAX_NAME_BYTES,
     Definition,
@@ -36,8 +36,8 @@ from stepd.engine.definition import (
     parse_retry,
     parse_step,
 )
-from stepd.engine.durations import Duration, parse_duration
-from stepd.engine.errors import Invalid
+from stepd.sansio.durations import Duration, parse_duration
+from stepd.sansio.errors import Invalid
 
 __all__ = ["BodyConfig", "Retry", "Workflow", "body", "body_config"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stepd.daemon import ServeConfig, run
-from stepd.engine.errors import Invalid
+from stepd.sansio.errors import Invalid
 
 _PROBE = """
 import gc, stepd

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from stepd.engine.definition import (
+from stepd.sansio.definition import (
     Delivery,
     ForEachStep,
     RetryPolicy,
@@ -16,8 +16,8 @@ from stepd.engine.definition import (
     definition_hash,
     parse_definition,
 )
-from stepd.engine.durations import parse_duration
-from stepd.engine.errors import Invalid
+from stepd.sansio.durations import parse_duration
+from stepd.sansio.errors import Invalid
 from stepd.workflow import BodyConfig, Retry, Workflow, body, body_config
 
 

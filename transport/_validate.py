@@ -7,7 +7,7 @@ define (at every level except free JSON: ``input``, ``output``, ``payload``,
 settings of a manifest capability), wrong types (a bool is not an integer;
 ``3.0`` is), values out of range, and raises one `Invalid` naming the field
 (``error.class``, ``spans[0].usage.model``). Definitions are left to the
-engine's own parser (`stepd.engine.definition.parse_definition`).
+engine's own parser (`stepd.sansio.definition.parse_definition`).
 
 Private to `stepd.transport.protocol`, which re-exports what transports use.
 """
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeGuard
 
-from stepd.engine.errors import Invalid, field_path
+from stepd.sansio.errors import Invalid, field_path
 
 NO_BODY: Final = object()
 """The ``body`` of a call that carried none (an empty HTTP body)."""

@@ -32,10 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from stepd.sansio.enums import IdentityEnum
+from stepd.sansio.errors import Invalid
 from stepd.storage import ReadTxn, WriteTxn, parse_u64be, u64be
-
-from stepd.engine.enums import IdentityEnum
-from stepd.engine.errors import Invalid
 
 __all__ = [
     "AUDIT_TABLE",

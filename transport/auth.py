@@ -46,8 +46,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from stepd.engine.enums import IdentityEnum
-from stepd.engine.errors import Invalid, StepdError
+from stepd.sansio.enums import IdentityEnum
+from stepd.sansio.errors import Invalid, StepdError
 
 __all__ = [
     "ANONYMOUS_KEY_ID",

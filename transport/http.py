@@ -44,7 +44,7 @@ from urllib.parse import parse_qsl
 
 import anyio
 
-from stepd.engine.errors import Invalid, NotFound, StepdError, Unavailable
+from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 
 from .auth import Forbidden, Unauthorized
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE

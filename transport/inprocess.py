@@ -6,7 +6,7 @@ body as a dict) and returns what the HTTP answer carries (the JSON body as a
 dict), through the same `Protocol.call` the HTTP and WebSocket transports use:
 the same validation, the same engine calls, the same audit entries. Where HTTP
 answers with an error status, these methods raise the error itself
-(`stepd.engine.errors.Invalid`, `NotFound`, the `Conflict` subclasses,
+(`stepd.sansio.errors.Invalid`, `NotFound`, the `Conflict` subclasses,
 `SignalRefused`, `Unprocessable`, `Unavailable`, `stepd.transport.protocol.TooLarge`,
 `stepd.transport.auth.Unauthorized` / `Forbidden`), with the same fields the
 HTTP error body shows (`stepd.transport.protocol.error_reply` maps one to the

@@ -47,15 +47,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.actors.daemon import Engine, SignalRefused
 from stepd.actors.daemon import store as _store
 from stepd.actors.daemon.listing import Query as ListQuery
 from stepd.actors.daemon.store import InTxn
-from stepd.storage import StorageClosed, WriteTxn
-
-from stepd.engine.enums import IdentityEnum
-from stepd.engine.errors import (
+from stepd.sansio.enums import IdentityEnum
+from stepd.sansio.errors import (
     Conflict,
     Invalid,
     NotFound,
@@ -63,8 +62,9 @@ from stepd.engine.errors import (
     Unavailable,
     Unprocessable,
 )
-from stepd.engine.lease import Op
-from stepd.engine.run import iso_ms
+from stepd.sansio.lease import Op
+from stepd.sansio.run import iso_ms
+from stepd.storage import StorageClosed, WriteTxn
 
 from ._validate import (
     MAX_CLAIM,

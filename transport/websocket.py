@@ -71,9 +71,9 @@ from typing import Any, Final, TypeGuard
 
 import anyio
 import msgpack  # type: ignore[import-untyped]
-from stepd.actors import Mailbox, Waiter
 
-from stepd.engine.errors import Invalid, NotFound, StepdError, Unavailable
+from stepd.actors import Mailbox, Waiter
+from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 
 from ._validate import JSON_ENCODER, check_int
 from .auth import Forbidden, Principal, Unauthorized

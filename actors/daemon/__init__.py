@@ -1,7 +1,7 @@
 """The daemon's actors (run, lease, registry, timers, recovery) and the engine that wires them.
 
 Built only on the generic runtime's public API (`stepd.actors`), the pure
-engine (`stepd.engine`) and storage (`stepd.storage`).
+engine (`stepd.sansio`) and storage (`stepd.storage`).
 """
 
 from .engine import PROTOCOL_VERSION, Engine, EngineConfig

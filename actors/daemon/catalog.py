@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stepd.engine.definition import Definition, parse_definition
+from stepd.sansio.definition import Definition, parse_definition
 from stepd.storage import ReadTxn, WriteTxn
 
 TABLE = "definitions"

@@ -47,19 +47,19 @@ from stepd.actors import (
     Supervisor,
     SystemClock,
 )
-from stepd.engine.definition import Definition, parse_definition
-from stepd.engine.errors import (
+from stepd.sansio.definition import Definition, parse_definition
+from stepd.sansio.errors import (
     Fenced,
     Invalid,
     NotFound,
     Unavailable,
     Unprocessable,
 )
-from stepd.engine.events import AttemptSpec, StartChildren, Transition
-from stepd.engine.lease import LeaseRecord, Op
-from stepd.engine.pricing import PriceBook, step_usage
-from stepd.engine.record import RunRecord
-from stepd.engine.run import DEFAULT_MAX_CHILD_DEPTH, RunMachine
+from stepd.sansio.events import AttemptSpec, StartChildren, Transition
+from stepd.sansio.lease import LeaseRecord, Op
+from stepd.sansio.pricing import PriceBook, step_usage
+from stepd.sansio.record import RunRecord
+from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH, RunMachine
 from stepd.storage import Storage
 
 from . import ids, listing, store
@@ -73,10 +73,10 @@ from .messages import (
     EndLease,
     ForgetWorkers,
     LeaseCall,
-    ReleaseLease,
     Offer,
     RegisterWorker,
     RegistryStats,
+    ReleaseLease,
     ReturnSpecs,
     Signal,
     WithdrawSlots,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from stepd.actors import Actor
-from stepd.engine.errors import (
+from stepd.sansio.errors import (
     AlreadyApplied,
     Conflict,
     Fenced,
@@ -26,7 +26,7 @@ from stepd.engine.errors import (
     NotStarted,
     RunTerminal,
 )
-from stepd.engine.events import (
+from stepd.sansio.events import (
     AttemptCompleted,
     AttemptFailed,
     AttemptLost,
@@ -35,7 +35,16 @@ from stepd.engine.events import (
     AttemptRevived,
     AttemptStarted,
 )
-from stepd.engine.lease import LeaseMachine, LeaseRecord, LeaseStatus, Op, Orphaned, Recover, Revived, reject_reason
+from stepd.sansio.lease import (
+    LeaseMachine,
+    LeaseRecord,
+    LeaseStatus,
+    Op,
+    Orphaned,
+    Recover,
+    Revived,
+    reject_reason,
+)
 
 from . import store
 from .messages import ApplyAttempt, AttemptNote, Due, EndLease, LeaseCall, ReleaseLease

@@ -40,8 +40,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Final
 
-from stepd.engine.canonical import canonical_json
-from stepd.engine.errors import Invalid
+from stepd.sansio.canonical import canonical_json
+from stepd.sansio.errors import Invalid
 from stepd.storage import ReadTxn, WriteTxn, decode, encode, prefix_end, u64be
 
 from . import tables as store

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stepd.engine.events import AttemptSpec
-from stepd.engine.lease import Op
+from stepd.sansio.events import AttemptSpec
+from stepd.sansio.lease import Op
 
 from .store import InTxn
 

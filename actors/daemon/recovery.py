@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stepd.actors import Actor, ActorDead
-from stepd.engine.errors import Unavailable
+from stepd.sansio.errors import Unavailable
 
 from . import store
 from .messages import Due, InboxChanged, Resync

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from stepd.actors import Actor
-from stepd.engine.events import AttemptSpec
+from stepd.sansio.events import AttemptSpec
 
 from .messages import (
     Announce,

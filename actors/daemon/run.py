@@ -21,8 +21,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
-from stepd.engine.errors import Conflict, Invalid
-from stepd.engine.events import (
+from stepd.sansio.errors import Conflict, Invalid
+from stepd.sansio.events import (
     AttemptOffered,
     Begin,
     Cancel,
@@ -39,9 +39,9 @@ from stepd.engine.events import (
     Transition,
     Withdraw,
 )
-from stepd.engine.lease import LeaseRecord, LeaseStatus, Op
-from stepd.engine.record import RunRecord
-from stepd.engine.run import RunMachine
+from stepd.sansio.lease import LeaseRecord, LeaseStatus, Op
+from stepd.sansio.record import RunRecord
+from stepd.sansio.run import RunMachine
 
 from . import store
 from .messages import (

@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from stepd.engine.errors import AlreadyApplied, Conflict, Fenced, NotStarted, RunTerminal
-from stepd.engine.lease import LeaseRecord, Op, reject_reason
-from stepd.engine.record import slot_key
-from stepd.engine.status import TERMINAL_STATUSES, RunStatus
+from stepd.sansio.errors import AlreadyApplied, Conflict, Fenced, NotStarted, RunTerminal
+from stepd.sansio.lease import LeaseRecord, Op, reject_reason
+from stepd.sansio.record import slot_key
+from stepd.sansio.status import TERMINAL_STATUSES, RunStatus
 from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, timer_key
 
 from . import listing

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+
 from stepd.actors import Actor, ActorSystem
 
 

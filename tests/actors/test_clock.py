@@ -6,6 +6,7 @@ import math
 
 import anyio
 import pytest
+
 from stepd.actors import Clock, ManualClock, SystemClock
 
 from ._helpers import settle

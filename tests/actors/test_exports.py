@@ -20,7 +20,7 @@ RUNTIME_MODULES = sorted(
     + [f"stepd.actors.{p.stem}" for p in ACTORS_DIR.glob("_*.py") if p.stem != "__init__"]
 )
 FORBIDDEN = (
-    "stepd.engine",
+    "stepd.sansio",
     "stepd.storage",
     "stepd.transport",
     "stepd.workflow",

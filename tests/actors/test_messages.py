@@ -10,6 +10,7 @@ import uuid
 from typing import NamedTuple
 
 import pytest
+
 from stepd.actors import (
     ActorDead,
     ActorSystem,

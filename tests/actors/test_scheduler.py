@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 import pytest
+
 from stepd.actors import (
     Actor,
     ActorDead,

@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from stepd.actors import (
     Actor,
     ActorDead,

@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from stepd.actors import Actor, ActorDead, ActorSystem, ChildSpec, ManualClock, Restart
 
 from ._helpers import Block, Echo, lines, rec, settle

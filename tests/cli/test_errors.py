@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stepd._cli_common import (
+from stepd.cli.common import (
     EXIT_CONFLICT,
     EXIT_NOT_FOUND,
     EXIT_UNAUTHORIZED,

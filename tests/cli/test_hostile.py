@@ -181,7 +181,7 @@ def test_the_real_entry_point_writes_no_raw_controls(daemon: ServeProcess,
 
 
 def test_printable_and_json_text() -> None:
-    from stepd._cli_common import json_text, printable
+    from stepd.cli.common import json_text, printable
 
     assert printable("plain ünïcode 名前 🙂") == "plain ünïcode 名前 🙂"
     assert printable(HOSTILE) == ESCAPED

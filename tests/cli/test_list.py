@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import stepd
-from stepd._cli_common import EXIT_USAGE
+from stepd.cli.common import EXIT_USAGE
 
 from .conftest import Cli
 

@@ -63,7 +63,7 @@ REST = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
 
 
 def test_kill_message_names_the_siblings_restarted_with_the_actor() -> None:
-    from stepd._cli_render import kill_message
+    from stepd.cli.render import kill_message
 
     assert kill_message("/registry", {"path": "/registry", "restarted": REST}) == (
         "killed /registry; its supervisor restarts it and, with it (rest_for_one), "
@@ -108,6 +108,6 @@ def test_actors_kill_does_not_claim_the_actor_restarts_alone(cli: Cli, client: s
 
 
 def kill_message_without_list(path: str) -> str:
-    from stepd._cli_render import kill_message
+    from stepd.cli.render import kill_message
 
     return kill_message(path, {"path": path})

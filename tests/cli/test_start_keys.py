@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stepd._cli_common import EXIT_UNAUTHORIZED
+from stepd.cli.common import EXIT_UNAUTHORIZED
 
 from ._serve import ServeProcess, serve_process
 from .conftest import Cli

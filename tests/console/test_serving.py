@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+
 from stepd.transport.auth import key_id
 from stepd.transport.http import CONSOLE_CSP, CONTENT_TYPES, console_assets
 from stepd.transport.inprocess import InProcess

@@ -9,9 +9,9 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from stepd.actors.daemon import Engine
 
-from stepd.engine.lease import Op
+from stepd.actors.daemon import Engine
+from stepd.sansio.lease import Op
 
 Body = Callable[[dict[str, Any]], Any]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine
-
-from stepd.engine.errors import Unprocessable
+from stepd.sansio.errors import Unprocessable
 
 from .helpers import run_worker, seq_definition
 

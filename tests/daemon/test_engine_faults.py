@@ -12,11 +12,11 @@ import random
 from pathlib import Path
 
 import anyio
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig
-
-from stepd.engine.errors import Conflict, NotFound, Unavailable
-from stepd.engine.lease import Op
+from stepd.sansio.errors import Conflict, NotFound, Unavailable
+from stepd.sansio.lease import Op
 
 N = 60
 FLOW = {

@@ -13,11 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig
-
-from stepd.engine.errors import AlreadyApplied, Fenced, NotFound, NotStarted, RunTerminal
-from stepd.engine.lease import Op
+from stepd.sansio.errors import AlreadyApplied, Fenced, NotFound, NotStarted, RunTerminal
+from stepd.sansio.lease import Op
 
 from .helpers import claim_one, eventually, finish, writer_held
 

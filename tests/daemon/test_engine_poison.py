@@ -15,12 +15,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from stepd.actors.daemon import Engine, EngineConfig
-from stepd.actors.daemon import store
-from stepd.actors.daemon.run import MAX_CRASHES
 
-from stepd.engine.errors import RunTerminal
-from stepd.engine.lease import Op
+from stepd.actors.daemon import Engine, EngineConfig, store
+from stepd.actors.daemon.run import MAX_CRASHES
+from stepd.sansio.errors import RunTerminal
+from stepd.sansio.lease import Op
 
 from .helpers import claim_one
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig
-
-from stepd.engine.errors import Conflict
-from stepd.engine.lease import Op
+from stepd.sansio.errors import Conflict
+from stepd.sansio.lease import Op
 
 N = 100
 MIXED = {

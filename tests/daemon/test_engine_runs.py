@@ -12,12 +12,12 @@ from typing import Any
 
 import anyio
 import pytest
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig, SignalRefused
 from stepd.actors.daemon.messages import Due
 from stepd.actors.daemon.timers import TimerIndexChanged
-
-from stepd.engine.errors import NotFound, RunTerminal
+from stepd.sansio.errors import NotFound, RunTerminal
 
 from .helpers import claim_one, eventually, finish, run_actor_alive, writer_held
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stepd.actors.daemon import Engine, listing, store, tables
-import stepd.storage._txn as txn_module
 
-from stepd.engine.errors import Invalid
+import stepd.storage._txn as txn_module
+from stepd.actors.daemon import Engine, listing, store, tables
+from stepd.sansio.errors import Invalid
 
 from .helpers import claim_one, finish
 

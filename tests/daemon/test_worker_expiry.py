@@ -12,10 +12,10 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Engine, EngineConfig
-
-from stepd.engine.errors import NotFound
+from stepd.sansio.errors import NotFound
 
 from .helpers import claim_one, eventually, finish
 

@@ -36,7 +36,7 @@ import anyio.from_thread
 import pytest
 
 import stepd
-from stepd.engine.pricing import PriceBook
+from stepd.sansio.pricing import PriceBook
 
 PRICES = {"models": {"m": {"input_per_million": 1.0, "output_per_million": 2.0}}}
 PRICES_TOML = '[models."m"]\ninput_per_million = 1.0\noutput_per_million = 2.0\n'

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 
 import anyio
+
 from stepd.storage import Storage, WriteTxn
 
 WRITERS = 8

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from stepd.storage import decode, encode
 
 VALUES: list[object] = [

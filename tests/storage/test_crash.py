@@ -26,6 +26,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+
 from stepd.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import lmdb
 import pytest
+
 from stepd.storage import (
     SCHEMA_VERSION,
     TABLES,

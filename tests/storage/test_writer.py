@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from stepd.storage import (
     CommitFailed,
     ReadTxn,

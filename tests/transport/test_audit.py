@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 import pytest
+
+from stepd.sansio.errors import Invalid
 from stepd.storage import Storage, WriteTxn, parse_u64be
 from stepd.transport.audit import (
     AUDIT_TABLE,
@@ -18,8 +20,6 @@ from stepd.transport.audit import (
     parse_cursor,
 )
 from stepd.transport.auth import KeyRing, Need, Scope
-
-from stepd.engine.errors import Invalid
 
 
 def entry(

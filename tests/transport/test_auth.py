@@ -14,6 +14,8 @@ import pickle
 from typing import Any
 
 import pytest
+
+from stepd.sansio.errors import Invalid, StepdError
 from stepd.transport.auth import (
     Forbidden,
     KeyRing,
@@ -25,8 +27,6 @@ from stepd.transport.auth import (
     is_loopback_host,
     key_id,
 )
-
-from stepd.engine.errors import Invalid, StepdError
 
 KEYS = {scope: f"key-{scope.value}-S3cr3tValue0123456789" for scope in Scope}
 

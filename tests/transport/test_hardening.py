@@ -14,10 +14,10 @@ import pytest
 
 from .conftest import (
     DaemonProcess,
-    start_daemon,
     Worker,
     WsWorker,
     journal_types,
+    start_daemon,
     start_run,
     task_def,
     unique,

@@ -19,8 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-from stepd.transport.auth import key_id
 from websockets.exceptions import InvalidStatus
+
+from stepd.transport.auth import key_id
 
 from .conftest import KEYS, DaemonProcess, start_daemon, task_def, unique, ws_connect
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from stepd.transport.http import route
 from stepd.transport.openapi import load_openapi
 

@@ -11,6 +11,7 @@ import math
 import re
 
 import pytest
+
 from stepd.transport.metrics import (
     COMMIT_BATCH_BUCKETS,
     CONTENT_TYPE,

@@ -18,12 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from stepd.transport import openapi
-from stepd.transport.audit import AuditAction, AuditEntry
-from stepd.transport.auth import Need, Scope
-from stepd.transport.openapi import load_openapi
 
-from stepd.engine.definition import (
+from stepd.sansio.definition import (
     BUDGET_NAMES,
     STEP_TYPES,
     Budgets,
@@ -33,11 +29,15 @@ from stepd.engine.definition import (
     StepKind,
     parse_definition,
 )
-from stepd.engine.errors import Invalid
-from stepd.engine.events import AttemptOffered
-from stepd.engine.lease import REASONS
-from stepd.engine.run import RunMachine
-from stepd.engine.status import ErrorReason, RunStatus
+from stepd.sansio.errors import Invalid
+from stepd.sansio.events import AttemptOffered
+from stepd.sansio.lease import REASONS
+from stepd.sansio.run import RunMachine
+from stepd.sansio.status import ErrorReason, RunStatus
+from stepd.transport import openapi
+from stepd.transport.audit import AuditAction, AuditEntry
+from stepd.transport.auth import Need, Scope
+from stepd.transport.openapi import load_openapi
 
 GOLDEN = Path(__file__).resolve().parents[1] / "engine" / "golden"
 METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")

@@ -16,11 +16,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+
 from stepd.actors.daemon import SignalRefused
+from stepd.sansio.errors import AlreadyApplied, Invalid, NotFound, RunTerminal, Unavailable
 from stepd.transport.inprocess import InProcess
 from stepd.transport.protocol import error_reply
-
-from stepd.engine.errors import AlreadyApplied, Invalid, NotFound, RunTerminal, Unavailable
 
 from .conftest import InProcDaemon, task_def, unique
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from stepd.engine.definition import MAX_DURATION_MS, parse_definition
-from stepd.engine.errors import Invalid
+from stepd.sansio.definition import MAX_DURATION_MS, parse_definition
+from stepd.sansio.errors import Invalid
 from stepd.transport._validate import copy_json, decode_json
 
 

@@ -23,7 +23,7 @@ from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
-from stepd.engine.lease import Op
+from stepd.sansio.lease import Op
 
 from .conftest import (
     DaemonProcess,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+
 from stepd.transport.websocket import _Slots
 
 pytestmark = pytest.mark.anyio

@@ -20,13 +20,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from stepd.engine.canonical import (
+from stepd.sansio.canonical import (
     canonical_json,
     filled_definition_hash,
     state_bytes,
 )
-from stepd.engine.definition import BUDGET_NAMES, definition_hash, parse_definition
-from stepd.engine.errors import Invalid
+from stepd.sansio.definition import BUDGET_NAMES, definition_hash, parse_definition
+from stepd.sansio.errors import Invalid
 
 # --- canonical_json: known vectors ------------------------------------------------------
 

@@ -226,7 +226,7 @@ class StartChildren:
 
     parent_run_id: str
     step_id: str
-    definition: Any  # stepd.engine.definition.Definition (Any: no import cycle)
+    definition: Any  # stepd.sansio.definition.Definition (Any: no import cycle)
     children: tuple[ChildSpec, ...]
     correlation: Any = None
     depth: int = 1  # the children's depth (the parent's plus one)

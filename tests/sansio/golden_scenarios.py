@@ -1,6 +1,6 @@
 """Scripted runs whose journals are recorded as golden files.
 
-`python -m tests.engine.golden_scenarios` (re)records `golden/*.json`: each file
+`python -m tests.sansio.golden_scenarios` (re)records `golden/*.json`: each file
 holds the definitions, the start arguments, every input event with its time,
 and the journal and status the machine produced. `test_golden_journals.py`
 replays the inputs and demands the same journal and status, so a change in the
@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stepd.engine import events as ev
-from stepd.engine.definition import Definition, parse_definition
-from stepd.engine.run import RunMachine
+from stepd.sansio import events as ev
+from stepd.sansio.definition import Definition, parse_definition
+from stepd.sansio.run import RunMachine
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from stepd._cli_common import client_options, connect, console, json_text, sdk_errors
+from stepd.cli.common import client_options, connect, console, json_text, sdk_errors
 
 __all__ = ["actors", "workers"]
 
@@ -21,7 +21,7 @@ def _kill(client: Any, path: str) -> dict[str, Any]:
 @client_options
 def workers(as_json: bool, url: str, key: str | None) -> None:
     """List the workers the daemon knows: connected or not, their leases, last heartbeat."""
-    from stepd._cli_render import workers_table
+    from stepd.cli.render import workers_table
 
     with connect(url, key) as client, sdk_errors(url):
         found = client.workers()
@@ -52,7 +52,7 @@ def actors(ctx: click.Context, as_json: bool, show_all: bool, url: str, key: str
     ctx.obj = {"url": url, "key": key}
     if ctx.invoked_subcommand is not None:
         return
-    from stepd._cli_render import actor_tree, count_actors
+    from stepd.cli.render import actor_tree, count_actors
 
     with connect(url, key) as client, sdk_errors(url):
         tree = client.actors()
@@ -86,7 +86,7 @@ def kill(obj: dict[str, Any], path: str, url: str | None, key: str | None) -> No
         raise click.BadParameter(f"must be an http:// or https:// URL, got {url!r}",
                                  param_hint="'--url'")
     key = key or obj["key"]
-    from stepd._cli_render import kill_message
+    from stepd.cli.render import kill_message
 
     with connect(url, key) as client, sdk_errors(url):
         answer = _kill(client, path)

@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from stepd.engine.errors import Invalid
+from stepd.sansio.errors import Invalid
 
 __all__ = [
     "canonical_json",

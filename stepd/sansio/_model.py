@@ -1,6 +1,6 @@
 """Workflow definitions, the model: frozen dataclasses and their wire form.
 
-`stepd.engine.definition` is the public face (with the parser, `_parse`); see
+`stepd.sansio.definition` is the public face (with the parser, `_parse`); see
 its docstring.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
-from stepd.engine.canonical import filled_definition_hash
-from stepd.engine.enums import IdentityEnum
+from stepd.sansio.canonical import filled_definition_hash
+from stepd.sansio.enums import IdentityEnum
 
 END: Final = "$end"
 """The `_next_step` target that ends the run (WORKFLOWS.md "Transitions")."""

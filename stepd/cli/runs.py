@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from stepd._cli_common import (
+from stepd.cli.common import (
     EXIT_ERROR,
     EXIT_USAGE,
     CliError,
@@ -116,7 +116,7 @@ def start(workflow: str, input_: str, idempotency_key: str | None, version: str 
 @client_options
 def status(run_id: str, as_json: bool, url: str, key: str | None) -> None:
     """Show a run: status, version and hash, idempotency key, budgets, tokens and cost."""
-    from stepd._cli_render import status_view
+    from stepd.cli.render import status_view
 
     with connect(url, key) as client, sdk_errors(url, run_id=run_id):
         view = client.status(run_id)
@@ -142,8 +142,8 @@ def _when_ms(text: str | None, flag: str) -> int | None:
     if value.isdigit():
         return int(value)
     if re.fullmatch(r"(\d+(ms|s|m|h|d))+", value):
-        from stepd.engine.durations import parse_duration
-        from stepd.engine.errors import Invalid
+        from stepd.sansio.durations import parse_duration
+        from stepd.sansio.errors import Invalid
 
         try:
             ago = parse_duration(value, field=flag, allow_zero=True)
@@ -217,7 +217,7 @@ def list_(workflow: str | None, status: str | None, since: str | None, until: st
     """
     from rich.text import Text
 
-    from stepd._cli_render import run_list_table
+    from stepd.cli.render import run_list_table
 
     filters: dict[str, Any] = {
         "workflow": workflow, "status": status,
@@ -250,7 +250,7 @@ def list_(workflow: str | None, status: str | None, since: str | None, until: st
 @client_options
 def journal(run_id: str, as_json: bool, url: str, key: str | None) -> None:
     """Show a run's journal as a timeline: which worker ran which attempt, errors, timings."""
-    from stepd._cli_render import journal_table
+    from stepd.cli.render import journal_table
 
     with connect(url, key) as client, sdk_errors(url, run_id=run_id):
         events = client.journal(run_id)

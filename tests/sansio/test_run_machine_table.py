@@ -18,9 +18,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepd.engine.definition import parse_definition
-from stepd.engine.errors import Conflict, Invalid
-from stepd.engine.events import (
+from stepd.sansio.definition import parse_definition
+from stepd.sansio.errors import Conflict, Invalid
+from stepd.sansio.events import (
     AttemptCompleted,
     AttemptFailed,
     AttemptLost,
@@ -31,9 +31,9 @@ from stepd.engine.events import (
     SignalReceived,
     Tick,
 )
-from stepd.engine.record import RunRecord
-from stepd.engine.run import TRANSITIONS, RunMachine
-from stepd.engine.status import SlotPhase
+from stepd.sansio.record import RunRecord
+from stepd.sansio.run import TRANSITIONS, RunMachine
+from stepd.sansio.status import SlotPhase
 
 DEFINITION = parse_definition(
     {

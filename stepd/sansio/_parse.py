@@ -1,6 +1,6 @@
 """Workflow definitions, the parser: strict, naming the definition and the field.
 
-`stepd.engine.definition` is the public face; see its docstring.
+`stepd.sansio.definition` is the public face; see its docstring.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeVar
 
-from stepd.engine.errors import Invalid, field_path
-from stepd.engine.templates import iter_templates, parse_template
+from stepd.sansio.errors import Invalid, field_path
+from stepd.sansio.templates import iter_templates, parse_template
 
 from ._model import (
     _DEFAULT_RETRY,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stepd.engine.definition import (
+from stepd.sansio.definition import (
     BUDGET_NAMES,
     END,
     MAX_NAME_BYTES,
@@ -36,7 +36,7 @@ from stepd.engine.definition import (
     parse_retry,
     parse_step,
 )
-from stepd.engine.errors import Invalid, field_path
+from stepd.sansio.errors import Invalid, field_path
 
 
 def base() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """docs/run-machine.md shows the transition table as it is.
 
-Run `python -m tests.engine.test_docs` to rewrite the diagram after changing
+Run `python -m tests.sansio.test_docs` to rewrite the diagram after changing
 the table.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from stepd.engine.run import mermaid
+from stepd.sansio.run import mermaid
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-machine.md"
 BLOCK = re.compile(r"```mermaid\n(.*?)```", re.S)
@@ -19,7 +19,7 @@ def test_the_diagram_in_the_docs_is_generated_from_the_table() -> None:
     match = BLOCK.search(DOC.read_text())
     assert match, "docs/run-machine.md has no mermaid block"
     assert match.group(1).strip() == mermaid().strip(), (
-        "docs/run-machine.md is out of date: run `python -m tests.engine.test_docs`"
+        "docs/run-machine.md is out of date: run `python -m tests.sansio.test_docs`"
     )
 
 

@@ -6,7 +6,7 @@ the ``run`` commands share them and tests can call them directly.
 
 Everything shown here came from a worker, a client or the daemon, so none of
 it is trusted: every piece of data becomes a `rich.text.Text` through `safe`
-(`stepd._cli_common.printable` inside), never a plain ``str``, because rich
+(`stepd.cli.common.printable` inside), never a plain ``str``, because rich
 reads a ``str`` cell or title as markup (``[bold red]x[/]`` would be styled,
 ``[/]`` alone would raise) and passes escape sequences to the terminal as they
 are. Fixed labels are the only plain strings.
@@ -24,8 +24,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from stepd._cli_common import printable
 from stepd._runs import RunStatus, RunSummary
+from stepd.cli.common import printable
 
 __all__ = [
     "STATUS_STYLE",

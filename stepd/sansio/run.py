@@ -12,7 +12,7 @@ retries, budgets (checked exactly where its table says), signals buffered in
 order, the journal's event names, and the run status view.
 
 Dispatch is a table, `TRANSITIONS`, from (status, event type) to a handler
-(STYLE.md rule 2; `python -m stepd.engine.run` prints it as a Mermaid
+(STYLE.md rule 2; `python -m stepd.sansio.run` prints it as a Mermaid
 diagram). An event that the table does not list for the current status raises
 `IllegalTransition` and changes nothing. Events that name a stale attempt
 (a fence that is no longer current) raise `Fenced`; events that reach a

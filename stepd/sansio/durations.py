@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 import re
 
-from stepd.engine.errors import Invalid
+from stepd.sansio.errors import Invalid
 
 __all__ = ["Duration", "parse_duration"]
 

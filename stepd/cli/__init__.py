@@ -2,8 +2,8 @@
 
 Commands: ``serve`` (the daemon; docs/serve.md), ``run start|status|list|
 journal|export|signal|cancel``, ``workers``, ``actors [kill PATH]`` (the
-client commands, in ``stepd._cli_runs`` and ``stepd._cli_ops``) and ``demo``
-(``stepd._cli_demo``).
+client commands, in ``stepd.cli.runs`` and ``stepd.cli.ops``) and ``demo``
+(``stepd.cli.demo``).
 
 Every ``serve`` flag can also be set from the environment as
 ``STEPD_<FLAG>`` (``--lease-ttl-ms`` is ``STEPD_LEASE_TTL_MS``); a repeatable
@@ -12,7 +12,7 @@ A flag given on the command line wins over the environment. The client
 commands take ``--url`` (``STEPD_URL``) and ``--key`` (``STEPD_KEY``).
 
 Errors are one line on stderr, ``error: ...``, with the exit codes of
-``stepd._cli_common`` (1 error, 2 usage, 3 not found, 4 conflict, 5 daemon
+``stepd.cli.common`` (1 error, 2 usage, 3 not found, 4 conflict, 5 daemon
 unreachable, 6 key refused, 7 run failed under ``--wait``).
 """
 
@@ -100,8 +100,8 @@ def _one_line(text: str) -> str:
 
 
 def _printable(text: str) -> str:
-    """`stepd._cli_common.printable`: an argument or an error echoed must not drive the terminal."""
-    from stepd._cli_common import printable
+    """`stepd.cli.common.printable`: an argument or an error echoed must not drive the terminal."""
+    from stepd.cli.common import printable
 
     return printable(text)
 
@@ -173,7 +173,7 @@ def serve(**options: Any) -> None:
     grace period short.
     """
     from stepd.daemon import ServeConfig, StartupError, run
-    from stepd.engine.errors import Invalid
+    from stepd.sansio.errors import Invalid
 
     for scope in ("admin", "write", "worker", "execute", "read"):
         options[f"{scope}_keys"] = tuple(k for k in options[f"{scope}_keys"] if k)
@@ -198,9 +198,9 @@ def serve(**options: Any) -> None:
 
 
 def _add_commands() -> None:
-    from stepd._cli_demo import demo
-    from stepd._cli_ops import actors, workers
-    from stepd._cli_runs import run as run_group
+    from stepd.cli.demo import demo
+    from stepd.cli.ops import actors, workers
+    from stepd.cli.runs import run as run_group
 
     for command in (run_group, workers, actors, demo):
         main.add_command(command)

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from stepd.engine.errors import IllegalTransition
-from stepd.engine.lease import (
+from stepd.sansio.errors import IllegalTransition
+from stepd.sansio.lease import (
     LEASE_TRANSITIONS,
     REASONS,
     LeaseMachine,

@@ -32,8 +32,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from stepd.engine.canonical import canonical_json
-from stepd.engine.errors import Invalid, TemplateError, field_path
+from stepd.sansio.canonical import canonical_json
+from stepd.sansio.errors import Invalid, TemplateError, field_path
 
 __all__ = [
     "MISSING",

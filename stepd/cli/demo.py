@@ -25,7 +25,7 @@ from typing import Any, Final
 import anyio
 import click
 
-from stepd._cli_common import EXIT_ERROR, CliError
+from stepd.cli.common import EXIT_ERROR, CliError
 
 __all__ = ["demo", "demo_prices", "demo_workflow"]
 
@@ -130,7 +130,7 @@ def demo_workflow() -> Any:
 
 def demo_prices() -> Any:
     """The demo's price book (USD per million tokens)."""
-    from stepd.engine.pricing import PriceBook
+    from stepd.sansio.pricing import PriceBook
 
     return PriceBook.from_dict(PRICES)
 
@@ -141,7 +141,7 @@ def demo_prices() -> Any:
 def _summary_table(rows: list[tuple[int, Any, Any]]) -> Any:
     from rich.table import Table
 
-    from stepd._cli_render import STATUS_STYLE
+    from stepd.cli.render import STATUS_STYLE
 
     table = Table(title="runs", title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("#", justify="right")
@@ -192,8 +192,8 @@ def demo(data: str | None, runs: int) -> None:
 
 def _run_demo(path: Path, n: int, *, keep: bool) -> bool:
     import stepd
-    from stepd._cli_common import console
-    from stepd._cli_render import journal_line, status_view
+    from stepd.cli.common import console
+    from stepd.cli.render import journal_line, status_view
 
     out = console()
     wf = demo_workflow()

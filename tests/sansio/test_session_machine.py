@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stepd.engine.events import AttemptSpec
-from stepd.engine.session import (
+from stepd.sansio.events import AttemptSpec
+from stepd.sansio.session import (
     Answer,
     Expire,
     Offer,
@@ -152,7 +152,7 @@ def test_resubscribe_after_a_registry_restart() -> None:
 
 
 def test_frames_of_one_lease_wait_for_each_other_only() -> None:
-    from stepd.engine.session import FrameOrder
+    from stepd.sansio.session import FrameOrder
 
     order = FrameOrder()
     t1, before1 = order.arrive("l_a")

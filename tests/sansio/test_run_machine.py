@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from stepd.engine.definition import Definition, parse_definition
-from stepd.engine.errors import Fenced, IllegalTransition, Invalid, RunTerminal
-from stepd.engine.events import (
+from stepd.sansio.definition import Definition, parse_definition
+from stepd.sansio.errors import Fenced, IllegalTransition, Invalid, RunTerminal
+from stepd.sansio.events import (
     AttemptCompleted,
     AttemptFailed,
     AttemptLost,
@@ -34,9 +34,9 @@ from stepd.engine.events import (
     Transition,
     Withdraw,
 )
-from stepd.engine.record import RunRecord
-from stepd.engine.run import MAX_IMMEDIATE_STEPS, RunMachine, mermaid
-from stepd.engine.status import RunStatus
+from stepd.sansio.record import RunRecord
+from stepd.sansio.run import MAX_IMMEDIATE_STEPS, RunMachine, mermaid
+from stepd.sansio.status import RunStatus
 
 # --------------------------------------------------------------------------- helpers
 

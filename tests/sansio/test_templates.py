@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepd.engine.errors import Invalid, TemplateError
-from stepd.engine.templates import (
+from stepd.sansio.errors import Invalid, TemplateError
+from stepd.sansio.templates import (
     MISSING,
     ROOTS,
     Template,

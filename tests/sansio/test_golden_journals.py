@@ -1,8 +1,8 @@
 """Golden journals: recorded inputs replayed through the machine give the same journal and status.
 
 A failure here means the machine's behaviour changed. If the change is
-intended, re-record with `python -m tests.engine.golden_scenarios` and review
-the diff of `tests/engine/golden/` like any other behaviour change.
+intended, re-record with `python -m tests.sansio.golden_scenarios` and review
+the diff of `tests/sansio/golden/` like any other behaviour change.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from stepd.engine.definition import parse_definition
+from stepd.sansio.definition import parse_definition
 
 from .golden_scenarios import GOLDEN, SCENARIOS, decode_event, start_machine
 

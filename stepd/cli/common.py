@@ -129,7 +129,7 @@ def printable(value: object) -> str:
     control ``\\x9b``, a bidi override ``\\u202e``; everything else (accents,
     CJK, emoji) is left as it is. Every place the CLI prints data that came from
     a worker, a client or the daemon goes through this (the rich renderers in
-    `stepd._cli_render` wrap it in `rich.text.Text`, which rich never reads as
+    `stepd.cli.render` wrap it in `rich.text.Text`, which rich never reads as
     markup), so a worker named ``\\x1b[2J`` cannot clear the screen and one
     named ``[bold]x[/]`` prints as those characters.
     """
