@@ -132,6 +132,21 @@ class Mailbox(Generic[T]):
             self._receiver = None
             receiver.set()
 
+    def send_beyond(self, item: T) -> None:
+        """`send_nowait` past the size bound: for items bounded elsewhere (a WebSocket's
+        leases, which its credit bounds), that must not wait behind others.
+
+        Raises:
+            ClosedResourceError: the mailbox is closed.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError
+        self._items.append(item)
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            receiver.set()
+
     async def send(self, item: T) -> None:
         await anyio.lowlevel.checkpoint_if_cancelled()
         while True:

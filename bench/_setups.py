@@ -41,7 +41,7 @@ class Setup:
     """The storage's commit counter (synced commits so far)."""
     commit_counter_name: str
     count: Callable[[str], Awaitable[int]]
-    """Runs of a status (the engine's counters, as ``stepd_runs`` reports them)."""
+    """Runs of a status (the daemon's counters, as ``stepd_runs`` reports them)."""
     live_leases: Callable[[], Awaitable[int]]
     active_run_actors: Callable[[], Awaitable[int]]
     register_definitions: Callable[[list[dict[str, Any]], str | None], Awaitable[str]]
@@ -72,19 +72,19 @@ async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool
                    **options: Any) -> AsyncIterator[Setup]:
     async with stepd.embedded(data, **options) as daemon:
         client = stepd.AsyncClient(daemon)
-        engine = daemon.engine
+        core = daemon.daemon
 
         async def commits() -> int:
-            return int(engine.storage.statistics().commits)
+            return int(core.storage.statistics().commits)
 
         async def count(status: str) -> int:
-            return int(engine.status_counts.get(status, 0))
+            return int(core.stats.status_counts.get(status, 0))
 
         async def live_leases() -> int:
-            return len(engine.system.supervisor("/leases").which_children())
+            return core.live_leases()
 
         async def active_run_actors() -> int:
-            return _runs_actors(engine.actors())
+            return _runs_actors(core.actors())
 
         async def register(defs: list[dict[str, Any]], worker_id: str | None) -> str:
             return await _register(client, defs, worker_id)

@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--update-budget", action="store_true", help=f"write {BUDGET.name}")
     parser.add_argument("--check-budget", action="store_true",
-                        help=f"exit 1 when a count is > {TOLERANCE:.0%} above {BUDGET.name}")
+                        help=f"exit 1 when a count is > {TOLERANCE * 100:.0f}%% above {BUDGET.name}")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, dumps)")
     args = parser.parse_args(argv)
     setups = [x for x in args.setups.split(",") if x]

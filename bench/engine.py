@@ -1,4 +1,4 @@
-"""Engine benchmark: in-process, no network, durable storage.
+"""Daemon benchmark: in-process, no network, durable storage.
 
     python -m bench.engine [--runs-1 N] [--runs-100 N] [--steps 20]
 
@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import lmdb
 
-from stepd.actors.daemon import Engine
+from stepd.actors.daemon import Daemon
 from stepd.sansio.lease import Op
 
 
@@ -54,7 +54,7 @@ def synced_commit_baseline(path: Path, n: int = 500) -> float:
     return statistics.median(times)
 
 
-async def worker(engine: Engine, worker_id: str, stop: anyio.Event, step_times: list[float]) -> None:
+async def worker(engine: Daemon, worker_id: str, stop: anyio.Event, step_times: list[float]) -> None:
     """A worker with concurrency 128: each lease runs in its own task, as the SDK's would."""
     last: dict[str, float] = {}
     slots = anyio.Semaphore(128)
@@ -83,7 +83,7 @@ async def worker(engine: Engine, worker_id: str, stop: anyio.Event, step_times: 
 
 
 async def measure(path: str, *, concurrent: int, runs: int, steps: int) -> dict[str, Any]:
-    async with Engine.open(path) as engine:
+    async with Daemon.open(path) as engine:
         defn = seq(steps)
         reg = await engine.register_worker(name="bench", definitions=[defn])
         wid = reg["worker_id"]
@@ -126,7 +126,7 @@ async def measure(path: str, *, concurrent: int, runs: int, steps: int) -> dict[
         }
 
 
-async def wait_done(engine: Engine, run_id: str) -> Any:
+async def wait_done(engine: Daemon, run_id: str) -> Any:
     while True:
         view = await engine.result(run_id, wait_ms=10_000)
         if view["status"] == "completed":

@@ -15,9 +15,10 @@ from typing import Any
 import anyio
 
 from stepd._errors import Invalid
+from stepd.actors import Waiter
 from stepd.context import StepContext, _current_ctx
 
-__all__ = ["Active", "Body", "Definition", "call_in_thread"]
+__all__ = ["Active", "Body", "Definition", "Runner", "call_in_thread"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +73,52 @@ class Definition:
 
 
 class Active:
-    """A lease whose body this worker is running."""
+    """A lease whose body this worker runs (from the unservable check to its report).
 
-    __slots__ = ("beating", "body_done", "body_started_at", "ctx", "hard_scope", "lease",
-                 "poke", "poke_pending", "reported", "started_done", "started_on")
+    Holds no reference back to the worker or its runner, and the context holds
+    none to it: when the worker lets go of a finished lease, reference counting
+    frees it (no cycle for the garbage collector to find, per step).
+    """
 
-    def __init__(self, lease: dict[str, Any], ctx: StepContext) -> None:
+    __slots__ = ("beat_scope", "beating", "body", "born_at", "born_tick", "ctx", "finished",
+                 "in_body", "lease", "outcome", "poke", "poke_pending", "reported", "scope",
+                 "started_done", "started_on", "started_state")
+
+    def __init__(self, lease: dict[str, Any], ctx: StepContext, body: Body, scope: Any) -> None:
         self.lease = lease
         self.ctx = ctx
-        self.poke = anyio.Event()
-        self.poke_pending = False
-        self.hard_scope = anyio.CancelScope()  # abandons a sync body's thread
+        self.body = body
+        self.scope = scope  # the runner's cancel scope the body runs in
         self.reported = False
-        self.started_done: anyio.Event | None = None  # `started` answered (or given up)
-        self.started_on: Any = None  # the channel `started` last went out on
-        self.body_started_at = 0.0  # the event loop's clock when the body started
-        self.body_done = False  # the body returned (or raised): no heartbeat task to start
-        self.beating = False  # its heartbeat task was started
+        self.in_body = False  # the body is running: cancelling `scope` interrupts it
+        self.outcome: tuple[Any, ...] | None = None
+        self.finished = False  # reported (or dropped) and released
+        # `started`: 0 not sent (or sent by a task, on an unordered channel),
+        # 1 sent on the ordered channel `started_on` (answer pending), 2 answered.
+        self.started_state = 0
+        self.started_on: Any = None
+        self.started_done: Waiter | None = None  # made by whoever waits for state 2
+        # Heartbeats (`stepd._heartbeats`): the tick the body started at.
+        self.born_tick = 0
+        self.born_at = 0.0
+        self.beating = False
+        self.beat_scope: anyio.CancelScope | None = None
+        self.poke: Waiter | None = None
+        self.poke_pending = False
+
+
+class Runner:
+    """One of the worker's long-lived lease tasks (at most ``concurrency`` of them)."""
+
+    __slots__ = ("active", "holding", "job", "lease", "scope", "waiter")
+
+    def __init__(self, lease: dict[str, Any] | None) -> None:
+        self.lease = lease  # handed over by `accept`, taken by the runner
+        self.job: Active | None = None  # or a lease's `started` to send (unordered channels)
+        self.active: Active | None = None
+        self.holding = False  # counts in the worker's `running`
+        self.scope: Any = None
+        self.waiter: Waiter | None = None
 
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:

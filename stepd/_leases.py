@@ -2,9 +2,9 @@
 
 From arrival to the last answer: the unservable check, ``started`` (awaited
 before an ``at_most_once`` body; in parallel with an ``at_least_once`` body,
-and always answered before ``complete`` is sent), heartbeats, the body itself
-(async in the worker's loop, sync in its thread pool), and ``complete`` or
-``fail`` with every 409 answered by its reason:
+and always answered before ``complete`` is sent, unless both go out in order
+on one WebSocket), the body itself (async in the worker's loop, sync in its
+thread pool), and ``complete`` or ``fail`` with every 409 answered by its reason:
 
 =================  ==========================================================
 ``already_applied``  success (an earlier send arrived; its answer was lost)
@@ -15,21 +15,26 @@ and always answered before ``complete`` is sent), heartbeats, the body itself
 
 Calls lost with a connection are sent again on the next one (every lease call
 is safe to repeat); heartbeats are not (the next one follows soon).
+
+What a lease costs, and why. Leases run on *runners*: long-lived tasks (at most
+``concurrency`` of them) that park on a `stepd.actors.Waiter` between leases,
+so a lease costs no task, no task group and no event. A runner's leases run
+inside one cancel scope of its own, made anew only after it was used to
+cancel a body (``fenced``, ``run_terminal``, the grace period, or
+``ctx.cancel_scope.cancel()``), so a lease costs no cancel scope either. Over
+the WebSocket ``started`` is a frame sent ahead (`Channel.send_soon`) whose
+answer comes back to a callback: no task, no wait. Heartbeats are in
+`stepd._heartbeats` (nothing per lease for a body that ends within a second).
 """
 
 from __future__ import annotations
 
-import abc
 import collections
 import functools
-import heapq
 import inspect
-import itertools
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -37,22 +42,20 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from stepd._bodies import Active, Body, Definition, call_in_thread
-from stepd._channels import Channel, HttpChannel, InProcessChannel, Lost, Unencodable
+from stepd._bodies import Active, Body, Definition, Runner, call_in_thread
+from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
     AlreadyApplied,
     Cancelled,
     Fenced,
-    Invalid,
     NotFound,
-    NotStarted,
     Retryable,
     RunTerminal,
     StepdError,
     StepFailure,
-    Unavailable,
 )
-from stepd.actors import Waiter, current_time
+from stepd.actors import Waiter
+from stepd.channels import Channel, Lost, Unencodable, frame_error
 from stepd.context import StepContext, _current_ctx
 
 if TYPE_CHECKING:
@@ -63,152 +66,92 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepd.worker")
 
-RECONNECT_BASE_S: Final = 0.05
-RECONNECT_CAP_S: Final = 5.0
 TERMINAL_MEMORY_S: Final = 600.0
 TERMINAL_MEMORY_MAX: Final = 10_000
 DIRECT_FAIL_TIMEOUT_S: Final = 5.0
-MAX_MESSAGE_CHARS: Final = 4000
-LOST_REASONS: Final = frozenset({"fenced", "run_terminal", "lost"})
+_CANCELLED: Final = ("cancelled",)
 
 
-_JITTER = random.Random()
-"""Our own generator: backoff jitter never touches the `random` module's global state
-(which the application, or hypothesis in a test, may own)."""
-
-
-def backoff(attempt: int) -> float:
-    """Bounded exponential backoff with jitter (half to full)."""
-    return _JITTER.uniform(0.5, 1.0) * min(RECONNECT_CAP_S,
-                                          RECONNECT_BASE_S * float(2 ** min(attempt, 16)))
-
-
-def _message(text: str) -> str:
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 1] + "…"
-
-
-class LeaseProtocol(abc.ABC):
+class LeaseProtocol(LeaseCalls):
     """The per-lease half of `stepd.Worker`: it reads the worker's state below."""
 
     name: str
     timeout: float
+    concurrency: int
+    running: int
+    stopping: bool
     _daemon: Embedded | None
     _http: httpx.AsyncClient | Http1Client | None
     _tg: anyio.abc.TaskGroup | None
     _channel: Channel | None
-    _channel_ready: anyio.Event
+    _channel_ready: Waiter
     _defs: dict[tuple[str, str | None], Definition]
     _active: dict[str, Active]
-    _beats_due: list[tuple[float, int, Active, anyio.CancelScope]]
-    _beats_seq: itertools.count[int]
-    _beats_wake: Waiter
-    _running: int
-    _stopping: bool
+    _idle: list[Runner]
+    _runners: int
+    _done_running: bool
     _terminal_runs: collections.OrderedDict[str, float]
     _fatal: list[BaseException]
     _threads: anyio.CapacityLimiter | None
-    _heartbeat_s: float
     _lease_ttl_s: float
     _token: Any
     _loop_thread: int | None
     grace: float
 
-    @abc.abstractmethod
-    def _slots_changed(self) -> None: ...
+    if TYPE_CHECKING:  # the worker's (`stepd.worker`) and the heartbeats' (`stepd._heartbeats`)
+        def _slots_changed(self) -> None: ...
 
-    @abc.abstractmethod
-    def _stop_here(self, grace: float) -> None: ...
+        def _stop_here(self, grace: float) -> None: ...
 
-    # ------------------------------------------------------------------ calls
+        def _body_starts(self, active: Active) -> None: ...
 
-    async def _call(self, op: str, lease_id: str, body: dict[str, Any], *,
-                    give_up_s: float | None = None,
-                    on_sent: Callable[[Channel], None] | None = None,
-                    after: Active | None = None) -> dict[str, Any]:
-        """A lease call, sent again on the next connection if this one is lost.
-
-        Args:
-            on_sent: called with the channel once the request is on an ordered
-                channel's wire (`Channel.ordered`).
-            after: the lease whose `started` this call must not overtake: it is
-                sent once `started` is answered, or at once when `started` went
-                out on the same ordered channel (the daemon applies them in order).
-
-        Raises:
-            the typed answer (a conflict, NotFound, Invalid...), Unencodable, or
-            Lost once ``give_up_s`` has passed.
-        """
-        deadline = None if give_up_s is None else current_time() + give_up_s
-        attempt = 0
-        while True:
-            channel = self._channel
-            if after is not None and after.started_done is not None \
-                    and not after.started_done.is_set() \
-                    and not (channel is not None and channel.ordered
-                             and after.started_on is channel):
-                await after.started_done.wait()
-                continue  # the connection may have changed meanwhile
-            if channel is not None:
-                try:
-                    sent = None if on_sent is None else functools.partial(on_sent, channel)
-                    return await channel.call(op, lease_id, body, on_sent=sent)
-                except (Lost, Unavailable) as exc:
-                    failure: BaseException = exc
-            else:
-                failure = Lost("not connected")
-            now = anyio.current_time()
-            if deadline is not None and now >= deadline:
-                raise Lost(f"gave up {op} of lease {lease_id} after {give_up_s:.0f} s: {failure}")
-            delay = backoff(attempt)
-            attempt += 1
-            if deadline is not None:
-                delay = min(delay, max(0.0, deadline - now))
-            if self._channel is channel or channel is None:
-                with anyio.move_on_after(delay):
-                    await self._channel_ready.wait()
-            else:
-                await anyio.lowlevel.checkpoint()
-
-    async def _call_once(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        channel = self._channel
-        if channel is None:
-            raise Lost("not connected")
-        return await channel.call(op, lease_id, body)
-
-    async def _direct_fail(self, lease_id: str, error_class: str, message: str) -> None:
-        """Fail a lease outside the connection (the worker is being cancelled)."""
-        body = {"error": {"class": error_class, "message": _message(message)}}
-        try:
-            if self._daemon is not None:
-                await InProcessChannel(self._daemon).call("fail", lease_id, body)
-            elif self._http is not None:
-                await HttpChannel(self._http, self.timeout).call("fail", lease_id, body)
-        except (StepdError, Lost, Unencodable) as exc:
-            log.warning("worker %s: could not fail lease %s back: %r", self.name, lease_id, exc)
+        def _body_ends(self, active: Active) -> None: ...
 
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
-        """A lease arrived (from any channel): run it in its own task."""
+        """A lease arrived (from any channel): an idle runner takes it, else a new one."""
+        self.running += 1
+        idle = self._idle
+        if idle:
+            runner = idle.pop()
+            runner.lease = lease
+            runner.holding = True
+            waiter = runner.waiter
+            runner.waiter = None
+            waiter.set()  # type: ignore[union-attr]
+            return
         assert self._tg is not None
-        self._running += 1
-        self._tg.start_soon(self._run_lease, lease, name=f"stepd lease {lease.get('lease_id')}")
+        runner = Runner(lease)
+        runner.holding = True
+        self._runners += 1
+        self._tg.start_soon(self._runner, runner, name="stepd worker runner")
 
     def on_cancel(self, lease_id: str, reason: str) -> None:
-        """The daemon ended one of our leases (a WebSocket ``cancel`` push)."""
-        if reason == "run_terminal":
-            active = self._active.get(lease_id)
-            if active is not None:
-                self._run_over(active.ctx.run_id)
-            return
+        """The daemon ended one of our leases (a WebSocket or in-process ``cancel`` push)."""
         active = self._active.get(lease_id)
-        if active is not None:
+        if active is None:
+            return
+        if reason == "run_terminal":
+            self._run_over(active.ctx.run_id)
+        else:
             self._cancel_active(active, "fenced" if reason == "fenced" else reason)
 
     def _cancel_active(self, active: Active, reason: str) -> None:
-        if active.ctx._cancel(reason):
-            log.info("worker %s: cancelling %s/%s (lease %s): %s", self.name, active.ctx.run_id,
-                     active.ctx.step_id, active.ctx.lease_id, reason)
+        ctx = active.ctx
+        if ctx._cancel(reason):
+            log.info("worker %s: cancelling %s/%s (lease %s): %s", self.name, ctx.run_id,
+                     ctx.step_id, ctx.lease_id, reason)
+            # A sync body keeps its slot until its thread returns: only async ones are
+            # interrupted (the grace period's end interrupts both).
+            if active.in_body and active.body.is_async:
+                active.scope.cancel()
+
+    def _cancel_body(self, ctx: StepContext) -> None:
+        """``ctx.cancel_scope.cancel()``: interrupt that body, if it still runs."""
+        active = self._active.get(ctx.lease_id)
+        if active is not None and active.ctx is ctx and active.in_body:
+            active.scope.cancel()
 
     def _run_over(self, run_id: str) -> None:
         """``run_terminal``: stop every body of the run and take nothing more of it."""
@@ -226,296 +169,263 @@ class LeaseProtocol(abc.ABC):
         expiry = self._terminal_runs.get(run_id)
         return expiry is not None and expiry > time.monotonic()
 
-    def _unservable(self, lease: dict[str, Any]) -> tuple[str | None, Body | None]:
+    def _unservable(self, lease: dict[str, Any]) -> str:
         key = (lease.get("workflow"), lease.get("version"))
         held = self._defs.get(key)  # type: ignore[arg-type]
         if held is None:
-            return (f"worker {self.name} does not hold workflow {key[0]!r} version {key[1]!r}",
-                    None)
+            return f"worker {self.name} does not hold workflow {key[0]!r} version {key[1]!r}"
         if lease.get("definition_hash") != held.definition_hash:
             theirs = str(lease.get("definition_hash"))[:12]
-            message = (f"worker {self.name} holds {key[0]!r} version {key[1]!r} with "
-                       f"definition_hash {held.definition_hash[:12]}, not {theirs}")
-            return message, None
-        body = held.bodies.get(lease.get("body"))  # type: ignore[arg-type]
-        if body is None:
-            return (f"worker {self.name} holds no body {lease.get('body')!r} of {key[0]!r}", None)
-        return None, body
+            return (f"worker {self.name} holds {key[0]!r} version {key[1]!r} with "
+                    f"definition_hash {held.definition_hash[:12]}, not {theirs}")
+        return f"worker {self.name} holds no body {lease.get('body')!r} of {key[0]!r}"
 
-    async def _run_lease(self, lease: dict[str, Any]) -> None:
-        try:
-            await self._handle_lease(lease)
-        finally:
-            self._running -= 1
-            self._slots_changed()
+    # ------------------------------------------------------------------ runners
 
-    async def _handle_lease(self, lease: dict[str, Any]) -> None:
-        lease_id = lease["lease_id"]
-        run_id = lease["run_id"]
-        problem, body = self._unservable(lease)
-        if problem is None and self._stopping:
-            problem = f"worker {self.name} is stopping"
-        if problem is not None:
-            await self._final(None, lease_id, run_id, "fail",
-                              {"error": {"class": "unservable", "message": problem}})
-            return
-        assert body is not None
-        if self._run_is_over(run_id):
-            log.debug("worker %s: lease %s of run %s, which is over: not run", self.name,
-                      lease_id, run_id)
-            return
-        active = Active(lease, StepContext(lease))
-        active.ctx._notify = lambda: self._poke(active)
-        self._active[lease_id] = active
+    async def _runner(self, runner: Runner) -> None:
+        cancelled = anyio.get_cancelled_exc_class()
         try:
-            await self._execute(active, body)
-        except anyio.get_cancelled_exc_class():
-            # The worker itself is being cancelled: fail the attempt back, not silently.
-            if not active.reported and active.ctx.cancel_reason not in LOST_REASONS:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(DIRECT_FAIL_TIMEOUT_S):
-                    await self._direct_fail(lease_id, "retryable",
-                                            f"worker {self.name} was cancelled")
+            while True:
+                scope = runner.scope = anyio.CancelScope()
+                with scope:
+                    while True:
+                        job = runner.job
+                        if job is None:
+                            await self._lease(runner)
+                        else:  # an idle runner lent to send a lease's `started`
+                            runner.job = None
+                            await self._started(job)
+                        if not await self._park(runner):
+                            return
+                # A body's cancellation left the scope (or a body swallowed it, and the
+                # scope's cancellation hit what followed): finish its lease out here.
+                active = runner.active
+                if active is not None:
+                    await self._after_body(runner, active, active.outcome or _CANCELLED)
+                else:
+                    self._release(runner, None)
+                if not await self._park(runner):
+                    return
+        except cancelled:
+            await self._abandon(runner)
             raise
         finally:
-            self._active.pop(lease_id, None)
+            self._runners -= 1
+
+    async def _park(self, runner: Runner) -> bool:
+        """Wait for the next lease (or job); False: this runner ends (the worker has finished)."""
+        if self._done_running or self._runners > self.concurrency:
+            return False
+        waiter = runner.waiter = Waiter()
+        self._idle.append(runner)
+        await waiter.wait()
+        return runner.lease is not None or runner.job is not None
+
+    def _release(self, runner: Runner, active: Active | None) -> None:
+        """The lease is over (reported, dropped or refused): free its slot."""
+        if active is not None:
+            active.finished = True
+            self._active.pop(active.ctx.lease_id, None)
+            runner.active = None
+        if runner.holding:
+            runner.holding = False
+            self.running -= 1
+            self._slots_changed()
+
+    async def _abandon(self, runner: Runner) -> None:
+        """The worker itself is being cancelled: fail the attempt back, not silently."""
+        active = runner.active
+        if active is not None and not active.reported \
+                and active.ctx._cancel_reason not in LOST_REASONS:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(DIRECT_FAIL_TIMEOUT_S):
+                await self._direct_fail(active.ctx.lease_id, "retryable",
+                                        f"worker {self.name} was cancelled")
+        self._release(runner, active)
 
     # ------------------------------------------------------------------ one lease
 
-    async def _execute(self, active: Active, body: Body) -> None:
-        ctx = active.ctx
-        started = active.started_done = anyio.Event()
-        sent = anyio.Event()
-        outcome: tuple[Any, ...] = ("cancelled",)
-        async with anyio.create_task_group() as tg:
-            if ctx.delivery == "at_most_once":
-                # The daemon persists `started` before answering: only then may the body run.
-                await self._started(active, started, sent)
+    async def _lease(self, runner: Runner) -> None:
+        lease = runner.lease
+        runner.lease = None
+        assert lease is not None
+        lease_id = lease["lease_id"]
+        run_id = lease["run_id"]
+        held = self._defs.get((lease.get("workflow"), lease.get("version")))  # type: ignore[arg-type]
+        body = None
+        if held is not None and lease.get("definition_hash") == held.definition_hash:
+            body = held.bodies.get(lease.get("body"))  # type: ignore[arg-type]
+        if body is None or self.stopping:
+            problem = self._unservable(lease) if body is None \
+                else f"worker {self.name} is stopping"
+            await self._final(None, lease_id, run_id, "fail",
+                              {"error": {"class": "unservable", "message": problem}})
+            self._release(runner, None)
+            return
+        if self._terminal_runs and self._run_is_over(run_id):
+            log.debug("worker %s: lease %s of run %s, which is over: not run", self.name,
+                      lease_id, run_id)
+            self._release(runner, None)
+            return
+        ctx = StepContext(lease)
+        ctx._host = self
+        active = runner.active = Active(lease, ctx, body, runner.scope)
+        self._active[lease_id] = active
+        if lease.get("delivery") == "at_most_once":
+            # The daemon persists `started` before answering: only then may the body run.
+            await self._started(active)
+        else:
+            self._started_soon(active)  # the body starts at once; `started` goes out beside it
+        outcome: tuple[Any, ...] = _CANCELLED
+        if not (ctx._cancel_reason or active.reported):
+            self._body_starts(active)
+            active.in_body = True
+            try:
+                outcome = await self._invoke(active, body)
+            finally:
+                active.in_body = False
+                if active.beat_scope is not None:
+                    self._body_ends(active)
+        active.outcome = outcome
+        await self._after_body(runner, active, outcome)
+
+    async def _after_body(self, runner: Runner, active: Active, outcome: tuple[Any, ...]) -> None:
+        # `complete` never overtakes `started`: it waits for started's answer, or
+        # (one WebSocket) follows it on the wire (`_call`'s `after`).
+        await self._report(active, outcome)
+        self._release(runner, active)
+
+    # -- started ----------------------------------------------------------------------
+
+    def _started_soon(self, active: Active) -> None:
+        channel = self._channel
+        if channel is not None and channel.ordered:
+            try:
+                channel.send_soon("started", active.ctx.lease_id, {},
+                                  functools.partial(self._started_answer, active))
+            except Lost:
+                pass
             else:
-                # The body starts at once; `started` goes out beside it.
-                tg.start_soon(self._started, active, started, sent)
-            if not (ctx.cancelled or active.reported):
-                beats = anyio.CancelScope()  # entered by the heartbeat task, if it starts
-                self._schedule_heartbeats(active, beats)
-                try:
-                    outcome = await self._invoke(active, body)
-                finally:
-                    active.body_done = True
-                    if active.beating:
-                        beats.cancel()
-            # `complete` never overtakes `started`: it waits for started's answer, or
-            # (one WebSocket) follows it on the wire (`_call`'s `after`).
-            await sent.wait()
-            await self._report(active, outcome)
+                active.started_on, active.started_state = channel, 1
+                return
+        # An idle runner (else a task) sends it, and again on the next connection.
+        idle = self._idle
+        if idle:
+            runner = idle.pop()
+            runner.job = active
+            waiter = runner.waiter
+            runner.waiter = None
+            waiter.set()  # type: ignore[union-attr]
+            return
+        assert self._tg is not None
+        runner = Runner(None)
+        runner.job = active
+        self._runners += 1
+        self._tg.start_soon(self._runner, runner, name="stepd worker runner")
 
-    async def _started(self, active: Active, done: anyio.Event, sent: anyio.Event) -> None:
-        ctx = active.ctx
+    def _started_answer(self, active: Active, frame: dict[str, Any] | None) -> None:
+        """The answer to a `started` sent ahead (None: its connection ended first)."""
+        if frame is None:
+            if not active.finished and active.started_state == 1:
+                active.started_state = 0
+                assert self._tg is not None
+                self._tg.start_soon(self._started, active, name="stepd started")
+            return
+        if frame["op"] != "ok":
+            self._started_refused(active, frame_error(frame))
+        self._started_answered(active)
 
-        def on_sent(channel: Channel) -> None:
-            active.started_on = channel
-            sent.set()
-
+    async def _started(self, active: Active) -> None:
         try:
-            await self._call("started", ctx.lease_id, {},
-                             give_up_s=max(30.0, 2 * self._lease_ttl_s), on_sent=on_sent)
-        except AlreadyApplied:
+            await self._call("started", active.ctx.lease_id, {},
+                             give_up_s=max(30.0, 2 * self._lease_ttl_s), started=active)
+        except (StepdError, Lost, Unencodable) as exc:
+            self._started_refused(active, exc)
+        finally:
+            self._started_answered(active)
+
+    def _started_answered(self, active: Active) -> None:
+        active.started_state = 2
+        done = active.started_done
+        if done is not None:
+            done.set()
+
+    def _started_refused(self, active: Active, exc: BaseException) -> None:
+        if isinstance(exc, AlreadyApplied):
             active.reported = True
             self._cancel_active(active, "lost")
-        except Fenced:
+        elif isinstance(exc, Fenced):
             self._cancel_active(active, "fenced")
-        except RunTerminal:
-            self._run_over(ctx.run_id)
-        except NotFound:
+        elif isinstance(exc, RunTerminal):
+            self._run_over(active.ctx.run_id)
+        elif isinstance(exc, NotFound):
             self._cancel_active(active, "lost")
-        except (StepdError, Lost, Unencodable) as exc:
-            log.error("worker %s: started of lease %s failed: %r", self.name, ctx.lease_id, exc)
+        else:
+            log.error("worker %s: started of lease %s failed: %r", self.name,
+                      active.ctx.lease_id, exc)
             self._cancel_active(active, "lost")
-        finally:
-            done.set()
-            sent.set()
 
-    def _poke(self, active: Active) -> None:
-        """``ctx.heartbeat()``: wake the lease's heartbeat loop (from any thread)."""
-        if active.poke_pending:
-            return
-        active.poke_pending = True
-        if threading.get_ident() == self._loop_thread:
-            active.poke.set()
-            return
-        token = self._token
-        if token is None:
-            return
-        try:
-            anyio.from_thread.run_sync(lambda: active.poke.set(), token=token)
-        except RuntimeError:
-            pass  # the worker's loop has ended
-
-    # Heartbeats. A lease's first heartbeat can go out no sooner than `gap` after
-    # its body starts (on `ctx.heartbeat()`; otherwise after a whole interval), so
-    # its heartbeat task is started only then, and only if the body still runs:
-    # most bodies end first, and then cost no task, no cancel scope, no wake-up.
-    # One task per worker (`_heartbeat_starter`) keeps the start times in a heap.
-
-    def _heartbeat_gap(self) -> float:
-        return min(1.0, self._heartbeat_s / 4)
-
-    def _schedule_heartbeats(self, active: Active, beats: anyio.CancelScope) -> None:
-        now = current_time()
-        active.body_started_at = now
-        due = now + self._heartbeat_gap()
-        heap = self._beats_due
-        heapq.heappush(heap, (due, next(self._beats_seq), active, beats))
-        if heap[0][2] is active:  # a new earliest: the starter may be sleeping past it
-            self._beats_wake.set()
-
-    async def _heartbeat_starter(self) -> None:
-        """Start the heartbeat task of each lease whose body outlives its gap."""
-        heap = self._beats_due
-        while True:
-            wake = self._beats_wake = Waiter()
-            if not heap:
-                await wake.wait()
-                continue
-            with anyio.move_on_at(heap[0][0]):
-                await wake.wait()
-            now = current_time()
-            while heap and heap[0][0] <= now:
-                _, _, active, beats = heapq.heappop(heap)
-                if not active.body_done and self._tg is not None:
-                    active.beating = True
-                    self._tg.start_soon(self._heartbeats, active, beats,
-                                        name=f"stepd heartbeats {active.ctx.lease_id}")
-
-    async def _heartbeats(self, active: Active, scope: anyio.CancelScope) -> None:
-        with scope:  # cancelled by `_execute` once the body is over
-            await self._beat(active)
-
-    async def _beat(self, active: Active) -> None:
-        ctx = active.ctx
-        interval = self._heartbeat_s
-        gap = self._heartbeat_gap()
-        last = active.body_started_at
-        while True:
-            with anyio.move_on_at(last + interval):
-                await active.poke.wait()
-            now = anyio.current_time()
-            if now < last + gap:
-                await anyio.sleep(last + gap - now)
-            active.poke = anyio.Event()
-            active.poke_pending = False
-            has, progress = ctx._take_progress()
-            last = anyio.current_time()
-            try:
-                await self._call_once("heartbeat", ctx.lease_id,
-                                      {"progress": progress} if has else {})
-            except Fenced:
-                self._cancel_active(active, "fenced")
-                return
-            except RunTerminal:
-                self._run_over(ctx.run_id)
-                return
-            except NotFound:
-                self._cancel_active(active, "lost")
-                return
-            except AlreadyApplied:
-                return
-            except (Lost, Unavailable, Unencodable, StepdError) as exc:
-                if has and not ctx._progress_set:
-                    ctx._progress, ctx._progress_set = progress, True
-                log.debug("worker %s: heartbeat of %s not delivered: %r", self.name,
-                          ctx.lease_id, exc)
+    # -- the body ---------------------------------------------------------------------
 
     async def _invoke(self, active: Active, body: Body) -> tuple[Any, ...]:
         ctx = active.ctx
         lease = active.lease
-        args = (ctx, lease.get("input"), lease.get("steps") or {})[: body.nargs]
+        nargs = body.nargs
+        if nargs == 0:
+            args: tuple[Any, ...] = ()
+        elif nargs == 1:
+            args = (ctx,)
+        elif nargs == 2:
+            args = (ctx, lease.get("input"))
+        else:
+            args = (ctx, lease.get("input"), lease.get("steps") or {})
         try:
             if body.is_async:
                 token = _current_ctx.set(ctx)
                 try:
-                    with ctx.cancel_scope:
-                        return ("ok", await body.fn(*args))
+                    return ("ok", await body.fn(*args))
                 finally:
                     _current_ctx.reset(token)
-                return ("cancelled",)
-            assert self._threads is not None
-            with active.hard_scope:
-                value = await anyio.to_thread.run_sync(
-                    call_in_thread, body.fn, args, ctx, limiter=self._threads,
-                    abandon_on_cancel=True)
-                if inspect.isawaitable(value):
-                    if inspect.iscoroutine(value):
-                        value.close()
-                    message = f"body {body.name!r} returned an awaitable: declare it `async def`"
-                    return ("error", "fatal", message)
-                return ("ok", value)
-            return ("cancelled",)
+            value = await anyio.to_thread.run_sync(
+                call_in_thread, body.fn, args, ctx, limiter=self._threads,
+                abandon_on_cancel=True)
+            if inspect.isawaitable(value):
+                if inspect.iscoroutine(value):
+                    value.close()
+                message = f"body {body.name!r} returned an awaitable: declare it `async def`"
+                return ("error", "fatal", message)
+            return ("ok", value)
         except Retryable as exc:
             return ("error", "retryable", str(exc))
         except StepFailure as exc:
             return ("error", exc.error_class, exc.message)
         except Cancelled:
-            return ("cancelled",)
+            return _CANCELLED
         except Exception as exc:  # the body failed: class fatal, the traceback stays here
             log.warning("worker %s: body %r of %s/%s (attempt %s) failed", self.name, body.name,
                         ctx.run_id, ctx.step_id, ctx.attempt, exc_info=True)
             return ("error", "fatal", f"{type(exc).__name__}: {exc}")
 
-    async def _report(self, active: Active, outcome: tuple[Any, ...]) -> None:
-        ctx = active.ctx
-        if ctx.cancel_reason in LOST_REASONS or active.reported:
-            return  # fenced, run over, or unknown: post nothing more
-        if outcome[0] == "ok":
-            op, body = "complete", ctx._completion(outcome[1])
-        elif ctx.cancel_reason == "shutdown":
-            op, body = "fail", {"error": {
-                "class": "retryable",
-                "message": f"worker {self.name} stopped: the body was cancelled after the grace "
-                           "period"}}
-        elif outcome[0] == "error":
-            op, body = "fail", {"error": {"class": outcome[1], "message": _message(outcome[2])}}
-        else:
-            op, body = "fail", {"error": {
-                "class": "fatal", "message": "the body raised stepd.Cancelled unprompted"}}
-        await self._final(active, ctx.lease_id, ctx.run_id, op, body)
+    # ------------------------------------------------------------------ heartbeats asked for
 
-    async def _final(self, active: Active | None, lease_id: str, run_id: str, op: str,
-                     body: dict[str, Any]) -> None:
-        """Send ``complete``/``fail`` and answer the outcome by PROTOCOL.md's table."""
-        give_up = max(30.0, 2 * self._lease_ttl_s)
+    def _poke(self, ctx: StepContext) -> None:
+        """``ctx.heartbeat()``: wake the lease's heartbeat loop (from any thread)."""
+        active = self._active.get(ctx.lease_id)
+        if active is None or active.ctx is not ctx or active.poke_pending:
+            return
+        active.poke_pending = True
+        if threading.get_ident() == self._loop_thread:
+            if active.poke is not None:
+                active.poke.set()
+            return
+        token = self._token
+        if token is None or active.poke is None:
+            return  # the heartbeat loop, once started, sees `poke_pending`
         try:
-            try:
-                await self._call(op, lease_id, body, give_up_s=give_up, after=active)
-            except (Invalid, Unencodable) as exc:
-                # The daemon refused what the body produced (output not JSON, a
-                # state patch that is not an object, an unknown error class...):
-                # the attempt fails, naming why.
-                log.error("worker %s: %s of lease %s refused: %s", self.name, op, lease_id, exc)
-                if op == "fail" and body["error"]["class"] == "fatal":
-                    return
-                what = "result" if op == "complete" else "failure"
-                await self._call("fail", lease_id, {"error": {
-                    "class": "fatal", "message": _message(f"the step's {what} was refused: {exc}")}},
-                    give_up_s=give_up)
-        except AlreadyApplied:
-            # An earlier send arrived and its answer was lost: that is success.
-            log.debug("worker %s: %s of lease %s already applied", self.name, op, lease_id)
-        except Fenced:
-            log.info("worker %s: lease %s was fenced; its result is dropped", self.name, lease_id)
-        except RunTerminal:
-            self._run_over(run_id)
-        except NotStarted as exc:
-            error = NotStarted(
-                f"the daemon answered not_started to {op} of lease {lease_id} (run {run_id}): "
-                f"the worker sent no `started` the daemon kept; this is a worker bug: {exc}")
-            log.error("worker %s: %s", self.name, error)
-            self._fatal.append(error)
-            self._stop_here(self.grace)
-        except NotFound:
-            log.warning("worker %s: the daemon does not know lease %s any more", self.name,
-                        lease_id)
-        except (Lost, StepdError, Unencodable) as exc:
-            log.error("worker %s: could not %s lease %s: %r; the daemon recovers the attempt "
-                      "when the lease expires", self.name, op, lease_id, exc)
-        finally:
-            if active is not None:
-                active.reported = True
+            anyio.from_thread.run_sync(_set_poke, active, token=token)
+        except RuntimeError:
+            pass  # the worker's loop has ended
+
+
+def _set_poke(active: Active) -> None:
+    if active.poke is not None:
+        active.poke.set()

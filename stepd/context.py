@@ -20,8 +20,8 @@ A body is called ``body(ctx, input, steps)`` (or with fewer parameters; see
 * learns it was cancelled (the lease was fenced, the run ended, the worker is
   stopping): ``ctx.cancelled``, ``ctx.check_cancelled()`` (raises
   `stepd.Cancelled`), ``ctx.cancel_event`` (a `threading.Event`, for sync bodies
-  and threads), ``ctx.cancel_scope`` (the anyio cancel scope around an async
-  body, which the worker cancels: an async body is interrupted at its next
+  and threads), ``ctx.cancel_scope`` (`BodyScope`: the body's cancel scope,
+  which the worker cancels: an async body is interrupted at its next
   ``await``).
 
 `current_context()` returns the context of the body running in this task or
@@ -31,6 +31,7 @@ thread, for code deep in a call stack (a model client wrapper recording spans).
 from __future__ import annotations
 
 import contextvars
+import math
 import secrets
 import threading
 import time
@@ -39,14 +40,16 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
-import anyio
-
 from stepd._errors import Cancelled
 
-__all__ = ["Span", "StepContext", "current_context"]
+__all__ = ["BodyScope", "Span", "StepContext", "current_context"]
 
 _current_ctx: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "stepd_current_context", default=None)
+_LOCK = threading.Lock()
+"""Guards the few multi-step updates of any context (patches, spans, the cancel event):
+they take microseconds, so one lock for all costs nothing per lease."""
+
 _current_span: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
     "stepd_current_span", default=None)
 
@@ -148,6 +151,51 @@ class Span:
         return out
 
 
+class BodyScope:
+    """``ctx.cancel_scope``: cancels the body it belongs to, as an anyio `CancelScope` around
+    it would (the worker runs bodies inside a scope of its own, shared by the leases its
+    task runs one after another, so no scope is made per lease).
+
+    ``cancel()`` interrupts an async body at its next ``await`` (a no-op once the body is
+    over); ``cancel_called`` is True once the body was cancelled, by the worker (see
+    `StepContext.cancel_reason`) or by ``cancel()``.
+    """
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: StepContext) -> None:
+        self._ctx = ctx
+
+    def __repr__(self) -> str:
+        return f"<BodyScope of {self._ctx!r} cancel_called={self.cancel_called}>"
+
+    def cancel(self) -> None:
+        ctx = self._ctx
+        if ctx._self_cancelled:
+            return
+        ctx._self_cancelled = True
+        host = ctx._host
+        if host is not None:
+            host._cancel_body(ctx)
+
+    @property
+    def cancel_called(self) -> bool:
+        ctx = self._ctx
+        return ctx._cancel_reason is not None or ctx._self_cancelled
+
+    @property
+    def cancelled_caught(self) -> bool:
+        return self.cancel_called
+
+    @property
+    def shield(self) -> bool:
+        return False
+
+    @property
+    def deadline(self) -> float:
+        return math.inf
+
+
 class StepContext:
     """The context a step body receives as its first argument. Built by the worker.
 
@@ -162,44 +210,94 @@ class StepContext:
         delivery: ``at_least_once`` or ``at_most_once``.
         timeout_ms: the step's timeout, or None.
         lease: the lease as the daemon sent it (a read-only mapping).
+
+    Built once per lease, so it makes nothing until asked: the lease's fields are
+    read from the lease when read, the state is copied at the first read or
+    patch, the cancel event and scope are made at the first use.
     """
+
+    __slots__ = ("__dict__", "_cancel_event", "_cancel_reason", "_cancel_scope", "_host",
+                 "_lease", "_notify", "_patch", "_progress", "_progress_set", "_self_cancelled",
+                 "_spans", "_state", "_state_view", "_usage", "lease_id", "run_id", "step_id")
 
     def __init__(self, lease: dict[str, Any], *, notify_heartbeat: Callable[[], None] | None = None
                  ) -> None:
-        self.lease: Mapping[str, Any] = MappingProxyType(lease)
+        self._lease = lease
         self.lease_id: str = lease["lease_id"]
         self.run_id: str = lease["run_id"]
         self.step_id: str = lease["step_id"]
-        self.attempt: int = lease.get("attempt", 1)
-        self.item_index: int | None = lease.get("item_index")
-        self.idempotency_key: str | None = lease.get("idempotency_key")
-        self.correlation: Any = lease.get("correlation")
-        self.trace_id: str | None = lease.get("trace_id")
-        self.span_id: str | None = lease.get("span_id")
-        self.workflow: str = lease.get("workflow", "")
-        self.version: str | None = lease.get("version")
-        self.definition_hash: str = lease.get("definition_hash", "")
-        self.body: str = lease.get("body", "")
-        self.delivery: str = lease.get("delivery", "at_least_once")
-        self.timeout_ms: int | None = lease.get("timeout_ms")
-        state = lease.get("state")
-        self._state: dict[str, Any] = dict(state) if isinstance(state, dict) else {}
-        self._state_view = MappingProxyType(self._state)
-        self._patch: dict[str, Any] = {}
-        self._spans: list[Span] = []
+        self._state: dict[str, Any] | None = None
+        self._state_view: Mapping[str, Any] | None = None
+        self._patch: dict[str, Any] | None = None
+        self._spans: list[Span] | None = None
         self._usage: dict[str, Any] | None = None
         self._progress: Any = None
         self._progress_set = False
         self._notify = notify_heartbeat
-        self._lock = threading.Lock()
-        self.cancel_event = threading.Event()
-        self.cancel_scope = anyio.CancelScope()
+        self._host: Any = None  # the worker (set by it): heartbeats, BodyScope.cancel()
+        self._cancel_event: threading.Event | None = None
+        self._cancel_scope: BodyScope | None = None
         self._cancel_reason: str | None = None
+        self._self_cancelled = False
 
     def __repr__(self) -> str:
         item = "" if self.item_index is None else f"[{self.item_index}]"
         return (f"<StepContext {self.run_id}/{self.step_id}{item} attempt={self.attempt} "
                 f"lease={self.lease_id}>")
+
+    # -- the lease -----------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Mapping[str, Any]:
+        return MappingProxyType(self._lease)
+
+    @property
+    def attempt(self) -> int:
+        return self._lease.get("attempt", 1)  # type: ignore[no-any-return]
+
+    @property
+    def item_index(self) -> int | None:
+        return self._lease.get("item_index")
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self._lease.get("idempotency_key")
+
+    @property
+    def correlation(self) -> Any:
+        return self._lease.get("correlation")
+
+    @property
+    def trace_id(self) -> str | None:
+        return self._lease.get("trace_id")
+
+    @property
+    def span_id(self) -> str | None:
+        return self._lease.get("span_id")
+
+    @property
+    def workflow(self) -> str:
+        return self._lease.get("workflow", "")  # type: ignore[no-any-return]
+
+    @property
+    def version(self) -> str | None:
+        return self._lease.get("version")
+
+    @property
+    def definition_hash(self) -> str:
+        return self._lease.get("definition_hash", "")  # type: ignore[no-any-return]
+
+    @property
+    def body(self) -> str:
+        return self._lease.get("body", "")  # type: ignore[no-any-return]
+
+    @property
+    def delivery(self) -> str:
+        return self._lease.get("delivery", "at_least_once")  # type: ignore[no-any-return]
+
+    @property
+    def timeout_ms(self) -> int | None:
+        return self._lease.get("timeout_ms")
 
     # -- state ---------------------------------------------------------------------
 
@@ -209,7 +307,21 @@ class StepContext:
 
         Read-only: change it with `patch_state`.
         """
-        return self._state_view
+        view = self._state_view
+        if view is None:
+            with _LOCK:
+                self._own_state()
+                view = self._state_view
+        return view  # type: ignore[return-value]
+
+    def _own_state(self) -> dict[str, Any]:
+        """The state this context shows (copied from the lease once; under `_LOCK`)."""
+        state = self._state
+        if state is None:
+            raw = self._lease.get("state")
+            state = self._state = dict(raw) if isinstance(raw, dict) else {}
+            self._state_view = MappingProxyType(state)
+        return state
 
     def patch_state(self, patch: Mapping[str, Any] | None = None, /, **values: Any) -> None:
         """Merge into the run's state when the step completes (top-level keys replace).
@@ -220,9 +332,11 @@ class StepContext:
         """
         merged: dict[str, Any] = dict(patch) if patch is not None else {}
         merged.update(values)
-        with self._lock:
+        with _LOCK:
+            if self._patch is None:
+                self._patch = {}
             self._patch.update(merged)
-            self._state.update(merged)
+            self._own_state().update(merged)
 
     # -- usage and spans -----------------------------------------------------------------
 
@@ -236,9 +350,13 @@ class StepContext:
         and re-raised.
         """
         parent = _current_span.get()
-        parent_id = parent.span_id if parent is not None and parent in self._spans else self.span_id
+        spans = self._spans
+        mine = spans is not None and parent is not None and parent in spans
+        parent_id = parent.span_id if mine else self.span_id  # type: ignore[union-attr]
         span = Span(name, parent_id, dict(attributes))
-        with self._lock:
+        with _LOCK:
+            if self._spans is None:
+                self._spans = []
             self._spans.append(span)
         token = _current_span.set(span)
         try:
@@ -265,7 +383,7 @@ class StepContext:
         if self._usage is not None:
             return dict(self._usage)
         total = {"input_tokens": 0, "output_tokens": 0}
-        for span in list(self._spans):
+        for span in list(self._spans or ()):
             if span.usage is not None:
                 total["input_tokens"] += span.usage["input_tokens"]
                 total["output_tokens"] += span.usage["output_tokens"]
@@ -274,7 +392,7 @@ class StepContext:
     @property
     def spans(self) -> tuple[Span, ...]:
         """The spans recorded so far, in the order they opened."""
-        return tuple(self._spans)
+        return tuple(self._spans or ())
 
     # -- heartbeats ---------------------------------------------------------------------
 
@@ -291,6 +409,9 @@ class StepContext:
         notify = self._notify
         if notify is not None:
             notify()
+        host = self._host
+        if host is not None:
+            host._poke(self)
 
     def _take_progress(self) -> tuple[bool, Any]:
         if not self._progress_set:
@@ -310,6 +431,28 @@ class StepContext:
         """``fenced``, ``run_terminal``, ``lost``, ``shutdown``, or None."""
         return self._cancel_reason
 
+    @property
+    def cancel_event(self) -> threading.Event:
+        """A `threading.Event` set when the body is cancelled (for sync bodies and threads)."""
+        event = self._cancel_event
+        if event is None:
+            with _LOCK:
+                event = self._cancel_event
+                if event is None:
+                    event = self._cancel_event = threading.Event()
+                    if self._cancel_reason is not None:
+                        event.set()
+        return event
+
+    @property
+    def cancel_scope(self) -> BodyScope:
+        """The body's cancel scope: ``cancel()`` interrupts an async body at its next
+        ``await``; ``cancel_called`` (see `BodyScope`)."""
+        scope = self._cancel_scope
+        if scope is None:
+            scope = self._cancel_scope = BodyScope(self)
+        return scope
+
     def check_cancelled(self) -> None:
         """Raise `stepd.Cancelled` if the body was cancelled (for loops in sync bodies).
 
@@ -324,9 +467,11 @@ class StepContext:
         """Cancel the body (called on the worker's loop). Returns False if it already was."""
         if self._cancel_reason is not None:
             return False
-        self._cancel_reason = reason
-        self.cancel_event.set()
-        self.cancel_scope.cancel()
+        with _LOCK:
+            self._cancel_reason = reason
+            event = self._cancel_event
+        if event is not None:
+            event.set()
         return True
 
     # -- what complete sends ---------------------------------------------------------------

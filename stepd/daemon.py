@@ -1,18 +1,18 @@
-"""``stepd serve``: the engine and the network transports in one process, one event loop.
+"""``stepd serve``: the daemon and the network transports in one process, one event loop.
 
-`Daemon` opens the engine (`stepd.actors.daemon.Engine`) and runs uvicorn
+`Server` opens the daemon (`stepd.actors.daemon.Daemon`) and runs uvicorn
 programmatically inside the same event loop (``uvicorn.Server.serve()`` in a
-task group next to the engine), serving the ASGI app of
+task group next to the daemon's actors), serving the ASGI app of
 `stepd.transport.http` (HTTP and the worker WebSocket on one port). The
 network transport runs on asyncio (uvloop when installed): uvicorn is
 asyncio-only.
 
-Shutdown (STYLE.md rule 22), on SIGTERM or SIGINT (or `Daemon.request_stop`),
+Shutdown (STYLE.md rule 22), on SIGTERM or SIGINT (or `Server.request_stop`),
 in stages, each idempotent:
 
 1. stop accepting: every new request and WebSocket upgrade answers 503 (the
    port stays open, so clients see a clear refusal rather than a reset);
-2. stop handing out leases: the engine stops offering, held claims and result
+2. stop handing out leases: the daemon stops offering, held claims and result
    long-polls end (503), every WebSocket stops reading and pushing (its push
    session returns unoffered slots to the queue);
 3. close WebSockets with 1001 once the frames they had in flight are answered;
@@ -26,7 +26,7 @@ submitted, still commit: the storage never abandons a commit halfway) and
 stage 5 runs as usual.
 
 uvicorn runs with the daemon's own protocol classes, subclasses of uvicorn's
-(`_HttpProtocol`, `_WebSocketProtocol`), for what uvicorn does not bound: every
+(`stepd.transport._uvicorn`), for what uvicorn does not bound: every
 HTTP request is answered or closed within ``max_request_ms`` of its first byte
 (the server's tick expires them), request heads are bounded (64 KiB, 100
 fields), and a WebSocket whose peer does not read can still be closed
@@ -39,7 +39,6 @@ One line is printed on stdout once the port is open (tests wait for it)::
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import signal
@@ -51,29 +50,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
-from uvicorn.protocols.utils import ClientDisconnected
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-from websockets.exceptions import InvalidState
 
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.gc_policy import tune_gc
 from stepd.sansio.errors import Invalid
 from stepd.sansio.pricing import PriceBook
 from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH
-from stepd.transport.audit import AuditLog
+from stepd.transport._uvicorn import HttpProtocol, WebSocketProtocol, http_protocol
 from stepd.transport.auth import KeyRing, check_bind_address
 from stepd.transport.http import create_app
-from stepd.transport.protocol import DEFAULT_MAX_BODY_BYTES, Protocol, encode_json
+from stepd.transport.protocol import DEFAULT_MAX_BODY_BYTES, Protocol
 from stepd.transport.websocket import DEFAULT_MAX_QUEUE_BYTES
 
-__all__ = ["Daemon", "ServeConfig", "StartupError", "run"]
+__all__ = ["ServeConfig", "Server", "StartupError", "run"]
 
 log = logging.getLogger("stepd.daemon")
 
@@ -154,14 +144,14 @@ class ServeConfig:
             execute=self.execute_keys, read=self.read_keys,
         )
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's numbers and price book.
+    def daemon_config(self) -> DaemonConfig:
+        """The daemon's numbers and price book.
 
         Raises:
             Invalid: a number out of range, or a price book that does not load.
         """
         prices = PriceBook.load(self.prices) if self.prices else PriceBook()
-        config = EngineConfig(
+        config = DaemonConfig(
             lease_ttl_ms=self.lease_ttl_ms, heartbeat_ms=self.heartbeat_ms,
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
@@ -169,271 +159,6 @@ class ServeConfig:
         )
         config.check()
         return config
-
-
-# --------------------------------------------------------------------------- limits
-
-LINGER_S = 2.0
-"""After refusing a request (408, 414, 431, 503 at the deadline), how long the
-daemon keeps reading (and dropping) what the client still sends before it aborts.
-
-The answer is sent and the sending side shut (``write_eof``): a client still
-sending its head then reads the answer rather than a reset, which closing with
-unread input would send.
-"""
-
-
-class _HeadTooLarge(Exception):
-    """Raised inside httptools' callbacks: the request's head is over a limit."""
-
-
-class _HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits httptools has not (docs/serve.md "Limits").
-
-    * **A deadline per request.** A request is answered or closed within
-      ``max_request_s`` of its first byte (for the first request of a
-      connection, of the connection's opening; a pipelined request, of the
-      answer before it). The daemon's tick (`_Server.main_loop`) calls
-      `expire` on every connection; past the deadline: 408 when the client
-      had not sent its whole request (a slow head, a body shorter than its
-      ``Content-Length``), 503 when the daemon had not answered it yet, and an
-      abort when the client does not read the answer. Cost per request: a
-      clock read and a few attribute writes; no timer is armed.
-    * **Bounded heads.** At most ``max_head_bytes`` of request line (414) and
-      headers (431), at most ``max_headers`` header fields (431). Bytes are
-      counted per header httptools reports (a name and value), and per chunk
-      received while a head is incomplete (so a header that never ends is
-      bounded too); the fields are counted once the head is complete (their
-      bytes bound them meanwhile).
-
-    The limits are class attributes: `http_protocol` makes a subclass per
-    daemon.
-    """
-
-    max_request_s: float = 30.0
-    max_head_bytes: int = 64 << 10
-    max_headers: int = 100
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deadline: float | None = None  # of the oldest request not answered (loop clock)
-        self._in_head = False
-        self._head_size = 0  # bytes of request line and headers httptools reported
-        self._head_chunks = 0  # bytes of the chunks received inside a head not complete yet
-        self._pending = 0  # requests begun (a first byte arrived) and not answered in full
-        self._refused = 0  # the status a refusal answered; from then on input is dropped
-        self._linger: asyncio.TimerHandle | None = None
-        # The request the app is answering. Not uvicorn's `cycle`, which is the
-        # last one parsed: with pipelined requests, one queued behind it.
-        self._running: RequestResponseCycle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        self.deadline = self.loop.time() + self.max_request_s
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
-        self.deadline = None
-        self._drop_running()  # uvicorn tells only `cycle`, not a request answered before it
-        super().connection_lost(exc)
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        self._running = cycle
-        super()._start_asgi_task(cycle, app)
-
-    def _drop_running(self) -> None:
-        """The app's answer to the request it runs can no longer be sent."""
-        running = self._running
-        if running is not None and not running.response_complete:
-            running.disconnected = True  # its receive() says http.disconnect, its send() returns
-            running.message_event.set()
-
-    def data_received(self, data: bytes) -> None:
-        # uvicorn's, with the refusals of a head over the limits.
-        if self._refused:
-            return  # lingering after a refusal: what the client still sends is dropped
-        self._unset_keepalive_if_required()
-        in_head = self._in_head
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return
-        except httptools.HttpParserError:
-            if self._refused:  # a callback raised _HeadTooLarge
-                self._refuse_head()
-                return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
-            return
-        if in_head and self._in_head:  # the whole chunk is part of a head still incomplete
-            self._head_chunks += len(data)
-            if self._head_chunks > self.max_head_bytes:
-                self._refused = 431
-                self._refuse_head()
-
-    def on_message_begin(self) -> None:
-        self._pending += 1
-        if self.deadline is None:
-            self.deadline = self.loop.time() + self.max_request_s
-        self._in_head = True
-        self._head_size = self._head_chunks = 0
-        super().on_message_begin()
-
-    def on_url(self, url: bytes) -> None:
-        self._head_size += len(url)
-        if self._head_size > self.max_head_bytes:
-            self._refused = 414
-            raise _HeadTooLarge
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, with the size.
-        self._head_size += len(name) + len(value)
-        if self._head_size > self.max_head_bytes:
-            self._refused = 431
-            raise _HeadTooLarge
-        name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        if len(self.headers) > self.max_headers:
-            self._refused = 431
-            raise _HeadTooLarge
-        super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        self._pending -= 1
-        if self._pending or self.transport.get_write_buffer_size():
-            # The next request has begun, or this answer is not read yet: both
-            # must be done with in time.
-            self.deadline = self.loop.time() + self.max_request_s
-        else:
-            self.deadline = None  # idle: uvicorn's keep-alive timeout closes it
-        super().on_response_complete()
-
-    def handle_websocket_upgrade(self) -> None:
-        self.deadline = None  # the connection is the worker's WebSocket from now on
-        super().handle_websocket_upgrade()
-
-    # -- the deadline ------------------------------------------------------------
-
-    def expire(self, now: float) -> None:
-        """Past the deadline: answer what can be answered, and close."""
-        deadline = self.deadline
-        if deadline is None or now < deadline:
-            return
-        self.deadline = None
-        transport = self.transport
-        if self._refused or transport.is_closing():
-            transport.abort()  # lingering too long, or a close stuck on a peer that does not read
-            return
-        running = self._running
-        if running is not None and not running.response_complete:
-            self._drop_running()
-            if running.response_started:  # the client does not read the answer
-                transport.abort()
-            elif running.more_body:
-                self._refuse(408, "timeout", "the request's body did not arrive within "
-                             f"max_request_ms ({self.max_request_s * 1000:.0f} ms)")
-            else:
-                self._refuse(503, "unavailable", "the request was not answered within "
-                             f"max_request_ms ({self.max_request_s * 1000:.0f} ms)")
-        elif self._pending:
-            self._refuse(408, "timeout", "the request's head did not arrive within "
-                         f"max_request_ms ({self.max_request_s * 1000:.0f} ms)")
-        elif transport.get_write_buffer_size():
-            transport.abort()  # an answer the client does not read
-        elif running is None:
-            transport.close()  # a connection that sent nothing
-
-    def _refuse_head(self) -> None:
-        running = self._running
-        if running is not None and not running.response_complete:
-            # A pipelined head behind a request not answered yet: an answer now
-            # would read as that request's. Both end here, without one.
-            self._drop_running()
-            self.deadline = None
-            self.transport.abort()
-            return
-        if self._refused == 414:
-            self._refuse(414, "too_large",
-                         f"the request line is over the limit of {self.max_head_bytes} bytes")
-        else:
-            self._refuse(431, "too_large", "the request's headers are over the limit of "
-                         f"{self.max_head_bytes} bytes and {self.max_headers} fields")
-
-    def _refuse(self, status: int, error: str, message: str) -> None:
-        """Answer ``status`` and close: shut the sending side, drop what still comes in."""
-        self._refused = status
-        self.deadline = None
-        self._unset_keepalive_if_required()
-        body = encode_json({"error": error, "message": message})
-        transport = self.transport
-        transport.write(b"".join([
-            STATUS_LINE[status], b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body]))
-        if transport.can_write_eof():
-            transport.write_eof()
-            self._linger = self.loop.call_later(LINGER_S, transport.abort)
-        else:
-            transport.close()
-
-
-def http_protocol(*, max_request_ms: int, max_header_bytes: int,
-                  max_headers: int) -> type[_HttpProtocol]:
-    """The HTTP protocol class for uvicorn's ``http=``, with these limits."""
-    return type("HttpProtocol", (_HttpProtocol,), {
-        "max_request_s": max_request_ms / 1000, "max_head_bytes": max_header_bytes,
-        "max_headers": max_headers, "__module__": __name__,
-    })
-
-
-class _WebSocketProtocol(WebSocketsSansIOProtocol):
-    """uvicorn's sans-I/O WebSocket protocol, able to close a peer that does not read.
-
-    uvicorn's ``send`` first waits for the transport to drain, a close frame
-    included: a connection whose peer never reads could not be closed, and
-    its close timer (and its keepalive timeout) calls ``close()``, which waits
-    for the buffer to flush, forever. Here a ``websocket.close`` sent while
-    writing is paused goes out behind what waits, and the connection is
-    aborted if the peer has not answered it within the close timeout; a
-    keepalive timeout with unsent data aborts at once.
-    """
-
-    async def send(self, message: Any) -> None:
-        if (message["type"] == "websocket.close" and not self.writable.is_set()
-                and self.handshake_complete and self.initial_response is None
-                and not self.close_sent and not self.disconnected):
-            code = message.get("code", 1000)
-            reason = message.get("reason", "") or ""
-            try:
-                self.conn.send_close(code, reason)
-            except InvalidState:
-                raise ClientDisconnected() from None
-            self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
-            self.transport.write(b"".join(self.conn.data_to_send()))
-            self.close_sent = True
-            if self.read_paused:
-                self.read_paused = False
-                self.transport.resume_reading()
-            self.close_timer = self.loop.call_later(self.close_timeout, self.transport.abort)
-            return
-        await super().send(message)
-
-    def keepalive_timeout(self) -> None:
-        super().keepalive_timeout()
-        if self.transport.get_write_buffer_size():
-            self.transport.abort()
 
 
 class _Server(uvicorn.Server):
@@ -444,7 +169,7 @@ class _Server(uvicorn.Server):
     refresh its Date header once a second; an idle daemon then wakes the CPU
     twenty times a second (PEERS.md workload C counts that). Here it ticks once
     a second, and `should_exit` wakes it at once. Each tick also expires the
-    HTTP requests past their deadline (`_HttpProtocol.expire`); with a short
+    HTTP requests past their deadline (`HttpProtocol.expire`); with a short
     ``max_request_ms`` it ticks more often (a tenth of it, at least every
     50 ms), so a request is cut at most a tick after its deadline.
     """
@@ -481,7 +206,7 @@ class _Server(uvicorn.Server):
     def expire_requests(self, now: float) -> None:
         """Cut the HTTP requests past their deadline (the loop's clock, ``now``)."""
         for conn in list(self.server_state.connections):
-            if isinstance(conn, _HttpProtocol):
+            if isinstance(conn, HttpProtocol):
                 conn.expire(now)
 
     @contextlib.contextmanager
@@ -494,8 +219,8 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-class Daemon:
-    """One ``stepd serve``: the engine, the protocol handler, uvicorn, and the staged shutdown.
+class Server:
+    """One ``stepd serve``: the daemon, the protocol handler, uvicorn, and the staged shutdown.
 
     Args:
         config: the settings.
@@ -510,7 +235,7 @@ class Daemon:
         self.url: str | None = None
         self.port: int | None = None
         self.protocol: Protocol | None = None
-        self.engine: Engine | None = None
+        self.daemon: Daemon | None = None
         self.forced = False
         self._stop = anyio.Event()
         self._force = anyio.Event()
@@ -533,7 +258,7 @@ class Daemon:
 
     # -- the main task ---------------------------------------------------------------
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Server] = anyio.TASK_STATUS_IGNORED
                   ) -> int:
         """Serve until stopped; return the exit status (0).
 
@@ -546,13 +271,13 @@ class Daemon:
         config = self.config
         keyring = config.keyring()
         check_bind_address(config.host, keyring)
-        engine_config = config.engine_config()
+        daemon_config = config.daemon_config()
         Path(config.data).mkdir(parents=True, exist_ok=True)
         noise = _HandshakeNoise()
         logging.getLogger("uvicorn.error").addFilter(noise)
-        async with Engine.open(config.data, config=engine_config) as engine:
-            self.engine = engine
-            protocol = Protocol(engine, keyring=keyring, audit=AuditLog(engine.storage),
+        async with Daemon.open(config.data, config=daemon_config) as daemon:
+            self.daemon = daemon
+            protocol = Protocol(daemon, keyring=keyring,
                                 max_body_bytes=config.max_body_bytes)
             self.protocol = protocol
             app = create_app(protocol, max_in_flight=config.ws_max_in_flight,
@@ -563,7 +288,7 @@ class Daemon:
                                  max_headers=config.max_headers)
             server = _Server(uvicorn.Config(
                 app, host=config.host, port=config.port, http=http,
-                ws=_WebSocketProtocol, lifespan="off", log_config=None,
+                ws=WebSocketProtocol, lifespan="off", log_config=None,
                 log_level=config.log_level, access_log=False, server_header=False,
                 ws_max_size=config.max_body_bytes + 4096,
                 ws_ping_interval=config.ws_ping_interval_ms / 1000,
@@ -588,14 +313,14 @@ class Daemon:
                         break
                     await anyio.sleep(0.002)
                 else:
-                    await self._serve(config, server, served, protocol, engine, keyring, tg,
+                    await self._serve(config, server, served, protocol, daemon, keyring, tg,
                                       task_status)
             if startup_error is not None:
                 raise startup_error
         return 0
 
     async def _serve(self, config: Any, server: Any, served: anyio.Event, protocol: Any,
-                     engine: Any, keyring: Any, tg: Any, task_status: Any) -> None:
+                     daemon: Any, keyring: Any, tg: Any, task_status: Any) -> None:
         """Listening: announce, serve until told to stop, drain, then stop uvicorn."""
         sockets = server.servers[0].sockets if server.servers else ()
         self.port = sockets[0].getsockname()[1] if sockets else config.port
@@ -603,7 +328,7 @@ class Daemon:
         if self._stop.is_set():
             protocol.begin_drain()
         self.announce(
-            f"stepd listening on {self.url} data={engine.storage.path} "
+            f"stepd listening on {self.url} data={daemon.storage.path} "
             f"auth={'on' if keyring.enabled else 'off'} keys={len(keyring.key_ids())}"
         )
         task_status.started(self)
@@ -659,11 +384,11 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def _signals_to(daemon: Daemon, tg: anyio.abc.TaskGroup) -> Iterator[None]:
-    """Route SIGTERM and SIGINT to `Daemon.request_stop` while the daemon serves.
+def _signals_to(daemon: Server, tg: anyio.abc.TaskGroup) -> Iterator[None]:
+    """Route SIGTERM and SIGINT to `Server.request_stop` while the daemon serves.
 
     Only the main thread can receive signals; elsewhere (a daemon started by a
-    test in a thread) `Daemon.request_stop` is the only way to stop it.
+    test in a thread) `Server.request_stop` is the only way to stop it.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -715,13 +440,13 @@ def run(config: ServeConfig) -> int:
         The exit status: 0 after a shutdown (staged or forced).
 
     Raises:
-        Invalid, StartupError, storage errors: see `Daemon.run`.
+        Invalid, StartupError, storage errors: see `Server.run`.
     """
     if config.gc not in ("tuned", "default"):
         raise Invalid("must be 'tuned' or 'default'", field="gc")
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    daemon = Daemon(config)
+    daemon = Server(config)
     if config.gc == "tuned":
         tune_gc()
     return anyio.run(daemon.run, backend="asyncio", backend_options=_backend_options())

@@ -2,11 +2,11 @@
 
 Two forms, one object::
 
-    with stepd.embedded("./data") as daemon:          # sync: the engine runs on a
+    with stepd.embedded("./data") as daemon:          # sync: the daemon runs on a
         client = stepd.Client(daemon)                   # background event-loop thread
         ...
 
-    async with stepd.embedded("./data") as daemon:    # async: the engine runs in the
+    async with stepd.embedded("./data") as daemon:    # async: the daemon runs in the
         client = stepd.AsyncClient(daemon)              # caller's loop (asyncio or trio)
         ...
 
@@ -15,9 +15,9 @@ place of a URL and behave exactly as over the network: every call goes
 through the in-process transport (`stepd.transport.inprocess.InProcess`: the
 daemon's own protocol handler, the same validation and errors as HTTP, values
 copied across), and a worker receives its leases by in-process push (the
-engine's push session, the WebSocket's credit protocol without the socket).
+worker's session actor, the WebSocket's credit protocol without the socket).
 
-Where things run. The engine lives on one event loop: the background thread's
+Where things run. The daemon lives on one event loop: the background thread's
 in the sync form, the caller's in the async form. A worker always runs its
 leases on that loop (async bodies run there; sync bodies in its thread pool),
 so a step costs no thread hop. Calls from elsewhere cross over: a sync call
@@ -25,13 +25,14 @@ from another thread through the loop's token (or the sync form's portal), an
 async call from another loop through a worker thread.
 
 Leaving the context stops the workers still serving this daemon (bodies not
-done are failed back as ``retryable``), then closes the engine.
+done are failed back as ``retryable``), then closes the daemon.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
@@ -45,14 +46,21 @@ import anyio.to_thread
 from stepd._errors import translate
 
 if TYPE_CHECKING:
-    from stepd.actors.daemon import Engine
+    from stepd.actors.daemon import Daemon
     from stepd.transport.inprocess import InProcess
     from stepd.transport.protocol import Protocol
-    from stepd.worker import Worker
 
 __all__ = ["Embedded", "embedded"]
 
 T = TypeVar("T")
+
+
+class _Served(typing.Protocol):
+    """What the daemon needs of a worker serving it (`stepd.Worker`): stop it, wait for it."""
+
+    def _stop_here(self, grace: float) -> None: ...
+
+    async def _wait_stopped(self) -> None: ...
 
 STOP_WORKERS_TIMEOUT_S = 30.0
 """How long closing waits for the workers it stops (they fail back what they ran)."""
@@ -89,7 +97,7 @@ class Embedded:
         self._prices = prices
         self._audit = audit
         self._backend = backend
-        self._engine: Engine | None = None
+        self._daemon: Daemon | None = None
         self._protocol: Protocol | None = None
         self._inprocess: InProcess | None = None
         self._token: Any = None
@@ -99,24 +107,25 @@ class Embedded:
         self._context_cm: Any = None
         self._async_cm: Any = None
         self._used = False
-        self._workers: set[Worker] = set()
+        self._workers: set[_Served] = set()
 
     def __repr__(self) -> str:
-        state = "open" if self._engine is not None else "closed"
+        state = "open" if self._daemon is not None else "closed"
         return f"<stepd.Embedded {str(self.path)!r} {state}>"
 
     # -- what the SDK reaches ---------------------------------------------------------
 
     @property
-    def engine(self) -> Engine:
-        """The engine (for tests and tools; the SDK goes through `inprocess`).
+    def daemon(self) -> Daemon:
+        """The daemon core (`stepd.actors.daemon.Daemon`; for tests and tools, the SDK
+        goes through `inprocess`).
 
         Raises:
             RuntimeError: the daemon is not open.
         """
-        if self._engine is None:
+        if self._daemon is None:
             raise RuntimeError("the embedded daemon is not open: use `with stepd.embedded(...)`")
-        return self._engine
+        return self._daemon
 
     @property
     def inprocess(self) -> InProcess:
@@ -127,18 +136,18 @@ class Embedded:
 
     @property
     def config(self) -> Any:
-        """The engine's `EngineConfig`."""
-        return self.engine.config
+        """The daemon's `DaemonConfig`."""
+        return self.daemon.config
 
     def on_loop(self) -> bool:
-        """True when called on the thread that runs the engine's event loop."""
+        """True when called on the thread that runs the daemon's event loop."""
         return threading.get_ident() == self._loop_thread
 
     def call_blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``await fn(*args)`` on the engine's loop from another thread; wait for it.
+        """Run ``await fn(*args)`` on the daemon's loop from another thread; wait for it.
 
         Raises:
-            RuntimeError: called on the engine's own loop thread (it would
+            RuntimeError: called on the daemon's own loop thread (it would
                 deadlock: use the async API there), or the daemon is closed.
             whatever ``fn`` raises, translated to the SDK's errors.
         """
@@ -157,7 +166,7 @@ class Embedded:
             raise translate(exc) from None
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """``await fn(*args)`` on the engine's loop, from any loop.
+        """``await fn(*args)`` on the daemon's loop, from any loop.
 
         Raises:
             whatever ``fn`` raises, translated to the SDK's errors.
@@ -172,19 +181,18 @@ class Embedded:
 
     # -- workers ------------------------------------------------------------------------
 
-    def _attach(self, worker: Worker) -> None:
+    def _attach(self, worker: _Served) -> None:
         self._workers.add(worker)
 
-    def _detach(self, worker: Worker) -> None:
+    def _detach(self, worker: _Served) -> None:
         self._workers.discard(worker)
 
     # -- lifecycle ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Embedded]:
-        from stepd.actors.daemon import Engine, EngineConfig
+        from stepd.actors.daemon import Daemon, DaemonConfig
         from stepd.sansio.pricing import PriceBook
-        from stepd.transport.audit import AuditLog
         from stepd.transport.auth import KeyRing
         from stepd.transport.inprocess import InProcess
         from stepd.transport.protocol import Protocol
@@ -195,12 +203,11 @@ class Embedded:
         settings: dict[str, Any] = dict(self._settings)
         if prices is not None:
             settings["prices"] = prices
-        config = EngineConfig(**settings)
+        config = DaemonConfig(**settings)
         await anyio.to_thread.run_sync(lambda: self.path.mkdir(parents=True, exist_ok=True))
-        async with Engine.open(str(self.path), config=config) as engine:
-            protocol = Protocol(engine, keyring=KeyRing.from_config(),
-                                audit=AuditLog(engine.storage) if self._audit else None)
-            self._engine, self._protocol = engine, protocol
+        async with Daemon.open(str(self.path), config=config) as daemon:
+            protocol = Protocol(daemon, keyring=KeyRing.from_config(), audited=self._audit)
+            self._daemon, self._protocol = daemon, protocol
             self._inprocess = InProcess(protocol)
             self._token = anyio.lowlevel.current_token()
             self._loop_thread = threading.get_ident()
@@ -212,7 +219,7 @@ class Embedded:
                 self._token = None
                 self._inprocess = None
                 self._protocol = None
-                self._engine = None
+                self._daemon = None
 
     async def _stop_workers(self) -> None:
         workers = list(self._workers)
@@ -229,8 +236,6 @@ class Embedded:
 
     def __enter__(self) -> Self:
         self._claim_use()
-        from .worker import _loop_options
-
         self._portal_cm = anyio.from_thread.start_blocking_portal(
             self._backend
         )
@@ -277,7 +282,7 @@ def embedded(
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
-    Use it as ``with stepd.embedded(path) as daemon:`` (the engine runs on a
+    Use it as ``with stepd.embedded(path) as daemon:`` (the daemon runs on a
     background event-loop thread; sync code works unchanged) or
     ``async with stepd.embedded(path) as daemon:`` (in the caller's loop,
     asyncio or trio). Pass the daemon to `stepd.Client`, `stepd.AsyncClient`

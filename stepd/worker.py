@@ -57,15 +57,10 @@ cancelled from outside, bodies are cancelled and failed back as ``retryable``
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -74,26 +69,20 @@ import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
-import httpx
 
-from stepd._bodies import Active, Body, Definition
-from stepd._channels import (
-    Channel,
-    HttpChannel,
-    InProcessChannel,
-    Lost,
-    Refused,
-    WebSocketChannel,
-    classify_handshake_error,
-    websocket_connect,
-)
-from stepd._errors import Invalid, NotFound, StepdError, Unavailable
-from stepd._http1 import Http1Client, wants_httpx
-from stepd._leases import LeaseProtocol, backoff
-from stepd.actors import Waiter
+from stepd._bodies import Active, Body, Definition, Runner
+from stepd._connections import Connections
+from stepd._errors import Invalid
+from stepd._heartbeats import Heartbeats
+from stepd._leases import LeaseProtocol
+from stepd._serving import Serving
+from stepd.actors import Waiter, current_time
 from stepd.workflow import Workflow
 
 if TYPE_CHECKING:
+    import httpx
+
+    from stepd._http1 import Http1Client
     from stepd.client import AsyncClient, Client
     from stepd.embedded import Embedded
 
@@ -101,7 +90,6 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("stepd.worker")
 
-PROTOCOL_VERSION: Final = "1.0"
 DEFAULT_GRACE_S: Final = 10.0
 DEFAULT_TIMEOUT_S: Final = 10.0
 
@@ -123,7 +111,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(LeaseProtocol):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -141,6 +129,10 @@ class Worker(LeaseProtocol):
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
 
+    Attributes:
+        running: leases held now (bodies running, or being reported).
+        stopping: True once `stop` was called (or the worker stops itself).
+
     Raises:
         Invalid: a bad argument.
     """
@@ -157,7 +149,8 @@ class Worker(LeaseProtocol):
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        from stepd.client import AsyncClient, Client, _base_url
+        from stepd.channels.http import base_url
+        from stepd.client import AsyncClient, Client
         from stepd.embedded import Embedded
 
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -178,7 +171,7 @@ class Worker(LeaseProtocol):
             self.timeout = target.timeout
             self._trust_env = target.trust_env
         elif isinstance(target, str):
-            self.url = _base_url(target)
+            self.url = base_url(target)
         else:
             raise Invalid(f"must be a Client, a URL or a stepd.embedded daemon, got {target!r}",
                           field="target")
@@ -200,29 +193,23 @@ class Worker(LeaseProtocol):
         self._ready_thread = threading.Event()
         self._task_status: anyio.abc.TaskStatus[Worker] = anyio.TASK_STATUS_IGNORED
 
-        # Loop state, created by run().
+        # Loop state.
         self._tg: anyio.abc.TaskGroup | None = None
-        self._channel: Channel | None = None
-        self._channel_kind: str | None = None
-        self._fallback = False
         self._active: dict[str, Active] = {}
-        self._beats_due: list[tuple[float, int, Active, anyio.CancelScope]] = []
-        self._beats_seq = itertools.count()
-        self._beats_wake = Waiter()
-        self._beats_scope: anyio.CancelScope | None = None  # made in the loop, by run()
-        self._running = 0
-        self._stopping = False
+        self._idle: list[Runner] = []
+        self._runners = 0
+        self._done_running = False
+        self.running = 0
+        self.stopping = False
         self._grace_deadline: float | None = None
+        self._stop_requested = Waiter()
+        self._slots_waiter: Waiter | None = None
         self._terminal_runs: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._fatal: list[BaseException] = []
         self._http: httpx.AsyncClient | Http1Client | None = None
         self._threads: anyio.CapacityLimiter | None = None
-        self._heartbeat_s = 10.0
-        self._lease_ttl_s = 30.0
-        self._max_request_ms = 20_000
-        self._attempt = 0
-        self._in_pump = False
-        self._session_scope: anyio.CancelScope | None = None
+        self._init_connections()
+        self._init_heartbeats()
 
     def __repr__(self) -> str:
         where = self.url or repr(self._daemon)
@@ -281,170 +268,20 @@ class Worker(LeaseProtocol):
         return self._channel_kind
 
     @property
-    def running(self) -> int:
-        """Leases held now (bodies running, or being reported)."""
-        return self._running
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    @property
-    def finished(self) -> anyio.Event:
-        return self._finished
-
-    @property
     def errors(self) -> list[BaseException]:
         """Fatal worker errors seen so far (``not_started`` answers...)."""
         return list(self._fatal)
 
     # ------------------------------------------------------------------ running
 
-    def serve(self, *, backend: str = "asyncio", handle_signals: bool = True) -> None:
-        """Run until stopped; blocks. Usable from any thread.
-
-        On the main thread, SIGINT and SIGTERM stop the worker gracefully (a
-        second one cancels the running bodies at once, failing them back).
-
-        Args:
-            backend: the event loop for a network worker, ``"asyncio"`` or
-                ``"trio"`` (a worker of an embedded daemon runs on its loop).
-            handle_signals: install the SIGINT/SIGTERM handling (main thread only).
-
-        Raises:
-            Invalid: a definition refused at register (``field`` names it).
-            Unauthorized, Forbidden: the key.
-            NotStarted: the daemon answered ``not_started`` (a worker bug).
-            RuntimeError: the worker ran already.
-        """
-        daemon = self._daemon
-        if daemon is not None:
-            self._serve_embedded(daemon)
-            return
-        anyio.run(self._serve_main, handle_signals, backend=backend,
-                  backend_options=_loop_options(backend))
-
-    def _serve_embedded(self, daemon: Embedded) -> None:
-        portal = daemon._portal
-        if portal is None:
-            daemon.call_blocking(self.run)
-            return
-        future = portal.start_task_soon(self.run)
-        interrupts = 0
-        while True:
-            try:
-                future.result()
-                return
-            except KeyboardInterrupt:
-                interrupts += 1
-                self.stop(self.grace if interrupts == 1 else 0.0)
-
-    async def _serve_main(self, handle_signals: bool) -> None:
-        if not handle_signals or threading.current_thread() is not threading.main_thread():
-            await self.run()
-            return
-        error: list[BaseException] = []
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                try:
-                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                        count = 0
-                        async for _ in signals:
-                            count += 1
-                            self.stop(self.grace if count == 1 else 0.0)
-                except NotImplementedError:  # no signal support on this platform/loop
-                    return
-
-            async def main() -> None:
-                try:
-                    await self.run()
-                except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
-                    error.append(exc)
-                finally:
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            tg.start_soon(main)
-        if error:
-            raise error[0]
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus[Worker] = anyio.TASK_STATUS_IGNORED
-                  ) -> None:
-        """Run in the current event loop (asyncio or trio) until stopped.
-
-        ``await tg.start(worker.run)`` returns once the worker has registered
-        (its workflows can be started from then on).
-
-        Cancelling it cancels the running bodies and fails them back as
-        ``retryable`` (shielded, bounded), then re-raises the cancellation.
-
-        Raises:
-            as `serve`.
-        """
-        daemon = self._daemon
-        if daemon is not None and not daemon.on_loop():
-            await self._run_elsewhere(daemon, task_status)
-            return
-        with self._lock:
-            if self._ran:
-                raise RuntimeError("a Worker runs once; create another to run again")
-            self._ran = True
-        if not self._defs:
-            self._done_thread.set()
-            raise Invalid("register at least one workflow before running", field="workflows")
-        self._task_status = task_status
-        await self._run_here()
-
-    async def _run_elsewhere(self, daemon: Embedded, task_status: anyio.abc.TaskStatus[Worker]
-                             ) -> None:
-        """The embedded daemon's loop is another thread's: run the worker there."""
-        error: list[BaseException] = []
-        ended = threading.Event()
-
-        def run_there() -> None:
-            try:
-                daemon.call_blocking(self.run)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, in this task
-                error.append(exc)
-            finally:
-                ended.set()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(functools.partial(anyio.to_thread.run_sync, run_there,
-                                                abandon_on_cancel=True))
-                while not (self._ready_thread.is_set() or ended.is_set()):
-                    await anyio.to_thread.run_sync(self._ready_thread.wait, 0.05,
-                                                   abandon_on_cancel=True)
-                if self._ready_thread.is_set():
-                    task_status.started(self)
-        except anyio.get_cancelled_exc_class():
-            self.stop(0.0)
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._done_thread.wait, 30.0)
-            raise
-        if error:
-            raise error[0]
-
     async def _run_here(self) -> None:
-        self._finished = anyio.Event()
-        self._stop_requested = anyio.Event()
-        self._slots_ev = anyio.Event()
-        self._channel_ready = anyio.Event()
         self._done = anyio.Event()
         self._threads = anyio.CapacityLimiter(self.concurrency)
         daemon = self._daemon
         if daemon is None:
-            from stepd.client import _headers
+            from stepd.channels.http import worker_http
 
-            url = self.url or ""
-            if wants_httpx(url, self._trust_env):
-                self._http = httpx.AsyncClient(base_url=url, headers=_headers(self.key),
-                                               timeout=self.timeout, trust_env=self._trust_env,
-                                               http1=True, http2=False)
-            else:  # plain http: the lean client (stepd._http1), a quarter of httpx's CPU
-                self._http = Http1Client(url, _headers(self.key))
+            self._http = worker_http(self.url or "", self.key, self.timeout, self._trust_env)
         else:
             daemon._attach(self)
         with self._lock:
@@ -454,11 +291,9 @@ class Worker(LeaseProtocol):
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                self._beats_due.clear()
-                self._beats_scope = anyio.CancelScope()
                 tg.start_soon(self._connection_loop, name="stepd worker connection")
                 tg.start_soon(self._lifecycle, name="stepd worker lifecycle")
-                tg.start_soon(self._run_heartbeat_starter, name="stepd worker heartbeats")
+                tg.start_soon(self._run_ticker, name="stepd worker heartbeats")
                 if pre is not None:
                     self._stop_here(pre)
         except BaseExceptionGroup as group:
@@ -518,214 +353,68 @@ class Worker(LeaseProtocol):
             self._grace_deadline = deadline
         if not self._stop_requested.is_set():
             log.info("worker %s stopping (grace %.1f s, %d lease(s) held)", self.name, grace,
-                     self._running)
+                     self.running)
         self._stop_requested.set()
         self._slots_changed()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the worker has registered (or ended); for code on other threads.
-
-        ``threading.Thread(target=worker.serve).start(); worker.wait_ready(10)``:
-        the worker's workflows can be started once this returns True.
-
-        Returns:
-            True once registered; False if ``timeout`` passed or the worker ended first.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._ready_thread.is_set():
-            if self._done_thread.is_set():
-                return self._ready_thread.is_set()
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            self._ready_thread.wait(left)
-        return True
 
     async def _wait_stopped(self) -> None:
         if self._ran and not self._done_thread.is_set():
             await self._done.wait()
 
-    async def _run_heartbeat_starter(self) -> None:
-        assert self._beats_scope is not None
-        with self._beats_scope:
-            await self._heartbeat_starter()
-
     async def _lifecycle(self) -> None:
         """Graceful stop (STYLE.md rule 22): stop taking, grace, cancel, wait, finish."""
         await self._stop_requested.wait()
-        self._stopping = True
+        self.stopping = True
         if self._channel is not None:
             self._channel.stop_taking()
         self._slots_changed()
-        while self._running > 0:
+        while self.running > 0:
             assert self._grace_deadline is not None
-            left = self._grace_deadline - anyio.current_time()
+            left = self._grace_deadline - current_time()
             if left <= 0:
                 break
-            changed = self._slots_ev
             with anyio.move_on_after(left):
-                await changed.wait()
+                await self._wait_slots()
         for active in list(self._active.values()):
             if active.ctx._cancel("shutdown"):
                 log.warning("worker %s: cancelling %s/%s (lease %s) after the grace period",
                             self.name, active.ctx.run_id, active.ctx.step_id, active.ctx.lease_id)
-            active.hard_scope.cancel()
-        while self._running > 0:
-            await self._slots_ev.wait()
-        if self._beats_scope is not None:
-            self._beats_scope.cancel()  # no body runs: no heartbeat to start
-        self._finished.set()
+            if active.in_body:
+                active.scope.cancel()  # a sync body's thread is abandoned
+        while self.running > 0:
+            await self._wait_slots()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Every lease is reported: end the ticker, the runners and the connection."""
+        self._done_running = True
+        if self._ticker_scope is not None:
+            self._ticker_scope.cancel()  # no body runs: no heartbeat to start
+        idle, self._idle = self._idle, []
+        for runner in idle:
+            runner.lease = None
+            if runner.waiter is not None:
+                runner.waiter.set()
+        self._finished_waiter.set()
+        if self._channel is not None:
+            self._channel.end()
         if not self._in_pump and self._session_scope is not None:
             self._session_scope.cancel()
 
     # ------------------------------------------------------------------ slots
 
-    def slots_event(self) -> anyio.Event:
-        """An event set at the next change of slots (a lease ended, a stop began)."""
-        return self._slots_ev
+    async def _wait_slots(self) -> None:
+        """Until the next change of slots (a lease ended, a stop began)."""
+        waiter = self._slots_waiter
+        if waiter is None:
+            waiter = self._slots_waiter = Waiter()
+        await waiter.wait()
 
     def _slots_changed(self) -> None:
-        event, self._slots_ev = self._slots_ev, anyio.Event()
-        event.set()
-
-    # ------------------------------------------------------------------ connections
-
-    def _kind(self) -> str:
-        if self._daemon is not None:
-            return "inprocess"
-        if self.transport_choice == "http" or self._fallback:
-            return "http"
-        if self.transport_choice == "websocket":
-            return "websocket"
-        if _on_trio():
-            try:
-                import websockets.trio.client  # noqa: F401
-            except ImportError:
-                return "http"
-        return "websocket"
-
-    async def _connection_loop(self) -> None:
-        while not self._finished.is_set():
-            kind = self._kind()
-            scope = anyio.CancelScope()
-            self._session_scope = scope
-            try:
-                with scope:
-                    if self._finished.is_set():
-                        scope.cancel()
-                    await self._session(kind)
-                return  # the session ended because the worker finished
-            except Refused as exc:
-                if self.transport_choice == "websocket":
-                    raise StepdError(f"worker {self.name}: {exc}") from exc
-                log.warning("worker %s: %s; falling back to HTTP long-poll", self.name, exc)
-                self._fallback = True
-                continue
-            except NotFound as exc:
-                # The daemon does not know our worker id (its data was replaced):
-                # register afresh. Leases held keep going: they are not per worker.
-                log.warning("worker %s: %s; registering as a new worker", self.name, exc)
-                self.worker_id = None
-            except (Lost, Unavailable) as exc:
-                log.info("worker %s: connection lost (%s); reconnecting", self.name, exc)
-            finally:
-                self._session_scope = None
-            delay = backoff(self._attempt)
-            self._attempt += 1
-            with anyio.move_on_after(delay):
-                await self._finished.wait()
-
-    async def _session(self, kind: str) -> None:
-        if kind == "inprocess":
-            assert self._daemon is not None
-            await self._serve_channel(InProcessChannel(self._daemon))
-        elif kind == "http":
-            assert self._http is not None
-            await self._serve_channel(HttpChannel(self._http, self.timeout))
-        else:
-            await self._websocket_session()
-
-    async def _websocket_session(self) -> None:
-        from websockets.exceptions import WebSocketException
-
-        assert self.url is not None
-        entered = False
-        try:
-            async with websocket_connect(self.url, self.key, trust_env=self._trust_env,
-                                         open_timeout=self.timeout, trio=_on_trio()) as ws:
-                entered = True
-                await self._serve_channel(WebSocketChannel(ws))
-        except (OSError, TimeoutError, WebSocketException) as exc:
-            if not entered:
-                raise classify_handshake_error(exc) from exc
-            raise Lost(f"the WebSocket failed: {exc!r}") from exc
-
-    def _register_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "name": self.name,
-            "protocol_version": PROTOCOL_VERSION,
-            "concurrency": self.concurrency,
-            "definitions": [d.wire for d in self._defs.values()],
-        }
-        if self.build_id is not None:
-            body["build_id"] = self.build_id
-        if self.worker_id is not None:
-            body["worker_id"] = self.worker_id
-        return body
-
-    async def _serve_channel(self, channel: Channel) -> None:
-        answer = await channel.register(self._register_body())
-        self._on_registered(answer)
-        self._attempt = 0
-        self._channel, self._channel_kind = channel, channel.kind
-        ready, self._channel_ready = self._channel_ready, anyio.Event()
-        ready.set()
-        if self._stopping:
-            channel.stop_taking()
-        log.info("worker %s registered as %s over %s", self.name, self.worker_id, channel.kind)
-        if not self._ready_thread.is_set():
-            self._ready_thread.set()
-            self._task_status.started(self)
-        try:
-            self._in_pump = True
-            await channel.pump(self, self._max_request_ms)
-        finally:
-            self._in_pump = False
-            self._channel = None
-
-    def _on_registered(self, answer: dict[str, Any]) -> None:
-        self.worker_id = answer["worker_id"]
-        self._heartbeat_s = max(0.001, int(answer.get("heartbeat_ms", 10_000)) / 1000)
-        self._lease_ttl_s = max(0.001, int(answer.get("lease_ttl_ms", 30_000)) / 1000)
-        self._max_request_ms = int(answer.get("max_request_ms", 30_000))
-        for entry in answer.get("definitions") or ():
-            held = self._defs.get((entry.get("name"), entry.get("version")))
-            theirs = entry.get("definition_hash")
-            if held is not None and isinstance(theirs, str) and theirs != held.definition_hash:
-                log.warning("worker %s: the daemon hashes %s %s as %s, the SDK as %s; using the "
-                            "daemon's", self.name, held.name, held.version, theirs,
-                            held.definition_hash)
-                held.definition_hash = theirs
-
-
-def _on_trio() -> bool:
-    """True inside a trio event loop (the websockets client differs)."""
-    trio = sys.modules.get("trio")
-    if trio is None:
-        return False
-    try:
-        trio.lowlevel.current_trio_token()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _loop_options(backend: str) -> dict[str, Any]:
-    """asyncio on uvloop when it is installed: about a quarter less CPU per message."""
-    if backend != "asyncio":
-        return {}
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        return {}
-    return {"use_uvloop": True}
+        channel = self._channel
+        if channel is not None:
+            channel.slots_changed()
+        waiter = self._slots_waiter
+        if waiter is not None:
+            self._slots_waiter = None
+            waiter.set()

@@ -59,8 +59,7 @@ class LoopWatch:
             if self.loop_thread is None:
                 continue
             stale = time.monotonic() - self.last_beat
-            if stale > self.worst_s:
-                self.worst_s = stale
+            self.worst_s = max(self.worst_s, stale)
             if stale > self.threshold_s and self.violation is None:
                 frame = sys._current_frames().get(self.loop_thread)
                 stack = "".join(traceback.format_stack(frame)) if frame else "<no frame>"

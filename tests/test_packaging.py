@@ -28,7 +28,7 @@ def test_wheel_contains_only_the_stepd_tree(tmp_path: Path) -> None:
     dist_info = {t for t in tops if t.endswith(".dist-info")}
     assert len(dist_info) == 1
     assert tops - dist_info == {"stepd"}, f"unexpected top-level entries: {sorted(tops)}"
-    for sub in ("actors", "storage", "transport", "engine"):
+    for sub in ("actors", "storage", "transport", "sansio", "cli", "channels", "actors/daemon"):
         assert f"stepd/{sub}/__init__.py" in names, f"stepd/{sub} is missing from the wheel"
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
     assert "stepd/py.typed" in names

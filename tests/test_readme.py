@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _opening_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:sh|bash|console)?\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"```(?:sh|bash|console)?\n(.*?)```", text, flags=re.DOTALL)
     return [line.strip() for block in blocks[:2] for line in block.splitlines() if line.strip()]
 
 

@@ -294,7 +294,7 @@ _REGISTER_KEYS: Final = frozenset(
 
 
 def parse_register(body: Any) -> dict[str, Any]:
-    """``RegisterRequest`` -> keyword arguments of `Engine.register_worker`.
+    """``RegisterRequest`` -> keyword arguments of `Daemon.register_worker`.
 
     Definitions themselves are validated by the engine's parser (400 naming the
     definition and the field, ``definitions[0].steps[1].kind``).
@@ -404,7 +404,7 @@ _START_KEYS: Final = frozenset(
 
 
 def parse_start_run(body: Any) -> dict[str, Any]:
-    """``StartRunRequest`` -> arguments of `Engine.start_run`."""
+    """``StartRunRequest`` -> arguments of `Daemon.start_run`."""
     b = _body(body)
     _closed(b, _START_KEYS, "")
     workflow = check_name(_required(b, "workflow", ""), "workflow")

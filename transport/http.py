@@ -16,7 +16,7 @@ What this module adds to `Protocol`, and nothing more (STYLE.md rule 20):
   413 either way (``Connection: close``: the rest is never read); malformed
   JSON is 400 naming the problem (`stepd.transport.protocol.decode_json`);
 * long-polls (``claim``, ``result?wait_ms=``) end when the client disconnects
-  (``http.disconnect``): the engine call is cancelled (a claim cancelled so
+  (``http.disconnect``): the daemon call is cancelled (a claim cancelled so
   returns the slots it had not offered yet) and nothing is sent;
 * ``GET /healthz``, ``GET /metrics`` (Prometheus text), ``GET /openapi.json``;
 * the web console's static files at ``/ui/`` (``transport/console/``, docs/console.md):
@@ -509,7 +509,7 @@ def _query(scope: Scope) -> dict[str, str]:
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
-    """A minimal lifespan: the daemon starts and stops the engine itself."""
+    """A minimal lifespan: the daemon starts and stops its core itself."""
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":

@@ -4,7 +4,7 @@
 what the HTTP request carries (the path id, the query parameters, the JSON
 body as a dict) and returns what the HTTP answer carries (the JSON body as a
 dict), through the same `Protocol.call` the HTTP and WebSocket transports use:
-the same validation, the same engine calls, the same audit entries. Where HTTP
+the same validation, the same daemon calls, the same audit entries. Where HTTP
 answers with an error status, these methods raise the error itself
 (`stepd.sansio.errors.Invalid`, `NotFound`, the `Conflict` subclasses,
 `SignalRefused`, `Unprocessable`, `Unavailable`, `stepd.transport.protocol.TooLarge`,
@@ -13,7 +13,7 @@ HTTP error body shows (`stepd.transport.protocol.error_reply` maps one to the
 other).
 
 Values cross by copy: every body goes in, and every answer comes out, through
-a JSON round trip, so a caller can never reach the engine's state through a
+a JSON round trip, so a caller can never reach the daemon's state through a
 shared dict (and a value JSON cannot carry, such as bytes or NaN, is refused
 as `Invalid`, as it would be over HTTP).
 

@@ -23,21 +23,24 @@ echoes::
 The bodies are validated by `Protocol` exactly as over HTTP (the frame minus
 ``op``, ``id`` and ``lease_id`` is the HTTP body), so the same input gets the
 same rejection on either transport. Answers are sent only after what they
-acknowledge is durable: the engine's calls return after the commit.
+acknowledge is durable: the daemon's calls return after the commit.
 
 Per connection (all its tasks in one task group, STYLE.md rule 7):
 
-* a reader: ``register`` and ``credit`` are handled in order, inline (a credit
-  that follows a register always finds the session); worker calls on leases run
+* a reader: ``register`` and ``credit`` are handled in order, inline (a
+  ``register`` attaches the connection to its worker's session actor, so a
+  credit that follows always finds it); worker calls on leases run
   concurrently, at most ``max_in_flight`` at once (a slow ``complete`` does not
   hold up the heartbeats of other leases; past the limit the reader stops
   reading, and TCP pushes back on the worker), answered by a pool of handler
   tasks that park when idle (started as load needs them, never more than
-  ``max_in_flight``), in arrival order per lease;
-* a pusher: `stepd.actors.daemon.engine.PushSession` hands it a lease per
-  credit the moment work appears;
+  ``max_in_flight``), in arrival order per lease (`FrameOrder`);
+* no pusher: the worker's session actor (`stepd.actors.daemon.session`) turns
+  each credit into a lease the moment work appears and queues it here (this
+  connection is its `Outbox`); leases pass the frame bound, their credit
+  bounds them;
 * a writer: the one task that sends, fed by a bounded queue of encoded frames
-  (``max_queue`` frames). Answers and leases wait for room; a ``cancel`` push
+  (``max_queue`` frames). Answers wait for room; a ``cancel`` push
   that finds the queue full is dropped (the heartbeat's 409 delivers it
   anyway, STYLE.md rule 21). The bytes waiting to be sent (queued, or waiting
   for room) are bounded too (``max_queue_bytes``): a frame that would take
@@ -64,7 +67,6 @@ then closes with 1001.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final, TypeGuard
@@ -73,7 +75,9 @@ import anyio
 import msgpack  # type: ignore[import-untyped]
 
 from stepd.actors import Mailbox, Waiter
+from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
+from stepd.sansio.session import FrameOrder
 
 from ._validate import JSON_ENCODER, check_int
 from .auth import Forbidden, Principal, Unauthorized
@@ -112,6 +116,7 @@ _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
 CLOSE_GOING_AWAY: Final = 1001
+CLOSE_SERVICE_RESTART: Final = 1012
 CLOSE_TOO_BIG: Final = 1009
 CLOSE_TRY_AGAIN_LATER: Final = 1013
 
@@ -172,10 +177,6 @@ def _error_frame(frame_id: Any, exc: StepdError) -> dict[str, Any]:
 class WorkerSockets:
     """The ASGI endpoint of the worker WebSocket; one per app.
 
-    It owns the routing of ``cancel`` pushes: the engine calls one listener per
-    worker (`Engine.on_cancel`), and this sends it to the connection the worker
-    registered on last.
-
     Args:
         protocol: the shared protocol handler.
         max_in_flight: request frames answered concurrently per connection.
@@ -192,27 +193,6 @@ class WorkerSockets:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.max_queue_bytes = max_queue_bytes
-        self._routes: dict[str, WorkerConnection] = {}
-
-    # -- cancel routing ---------------------------------------------------------
-
-    def route_cancels(self, worker_id: str, conn: WorkerConnection) -> None:
-        """Send ``worker_id``'s cancel pushes to ``conn`` from now on."""
-        self._routes[worker_id] = conn
-        self.protocol.engine.on_cancel(
-            worker_id, lambda lease_id, reason: self._cancel(worker_id, lease_id, reason)
-        )
-
-    def unroute_cancels(self, worker_id: str, conn: WorkerConnection) -> None:
-        """``conn`` ends: stop routing to it, unless the worker moved to another connection."""
-        if self._routes.get(worker_id) is conn:
-            del self._routes[worker_id]
-            self.protocol.engine.on_cancel(worker_id, None)
-
-    def _cancel(self, worker_id: str, lease_id: str, reason: str) -> None:
-        conn = self._routes.get(worker_id)
-        if conn is not None:
-            conn.push_nowait({"op": "cancel", "lease_id": lease_id, "reason": reason})
 
     # -- the handshake ------------------------------------------------------------
 
@@ -331,8 +311,13 @@ class WorkerConnection:
         self._overflowed = False
         self._write_scope = anyio.CancelScope()
         self._limit = _Slots(sockets.max_in_flight)
-        self._lease_tail: dict[str, Waiter] = {}  # the last frame in flight, per lease
-        self._session: Any = None
+        # Frames of one lease are applied in arrival order (the session machine's
+        # FrameOrder numbers them); the waits are here: a Waiter per frame in flight.
+        self._order = FrameOrder()
+        self._in_flight: dict[int, Waiter] = {}
+        # The attachment to this worker's session actor (`Daemon.attach`): the
+        # session pushes leases and cancels here (this connection is its Outbox).
+        self._attached: Connection | None = None
         self._read_scope = anyio.CancelScope()
         self._scope = anyio.CancelScope()
         self._handlers: anyio.abc.TaskGroup | None = None
@@ -427,7 +412,7 @@ class WorkerConnection:
                 raise Invalid("the frame is not valid msgpack: "
                               f"{_msgpack_problem(data, exc)}") from None
             try:
-                JSON_ENCODER.encode(frame)  # only JSON values cross into the engine
+                JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
                 raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
             return frame
@@ -467,11 +452,10 @@ class WorkerConnection:
         # lease (answered 404) and is not kept while its answer waits for room.
         lease_id = frame.get("lease_id")
         key = lease_id if type(lease_id) is str and len(lease_id) <= _MAX_LEASE_ID else None
-        before = self._lease_tail.get(key) if key is not None else None
-        done = Waiter()
-        if key is not None:
-            self._lease_tail[key] = done
-        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done, key))
+        ticket, after = self._order.arrive(key)
+        before = self._in_flight.get(after) if after is not None else None
+        done = self._in_flight[ticket] = Waiter()
+        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done, key, ticket))
         if self._parked:
             self._parked.pop().set()
         else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
@@ -517,7 +501,7 @@ class WorkerConnection:
             reply = await self.protocol.handle(Operation.REGISTER, self.principal, body=body)
         if reply.status == 200:
             if not self.protocol.draining:  # no new session once the drain has begun
-                self._start_session(reply.body["worker_id"])
+                await self._attach(reply.body["worker_id"])
             await self._push({"op": "registered", "id": frame_id, **reply.body})
         else:
             await self._push(answer_frame(frame_id, reply))
@@ -529,9 +513,9 @@ class WorkerConnection:
                 if key not in _CREDIT_KEYS:
                     raise Invalid("unknown key", field=str(key))
             n = check_int(frame.get("n"), "n", minimum=1, maximum=10_000)
-            if self._session is None:
+            if self._attached is None:
                 raise Invalid("send register before credit")
-            await self._session.add_credit(n)
+            self._attached.grant(n)
         except Invalid as exc:
             await self._push(_error_frame(frame_id, exc))
             return
@@ -539,7 +523,8 @@ class WorkerConnection:
             await self._push({"op": "ok", "id": frame_id})
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
-                          before: Waiter | None, done: Waiter, key: str | None) -> None:
+                          before: Waiter | None, done: Waiter, key: str | None,
+                          ticket: int) -> None:
         assert frame is not None
         try:
             if before is not None:
@@ -550,8 +535,8 @@ class WorkerConnection:
                 await self._push(answer_frame(frame_id, reply))
         finally:
             done.set()
-            if key is not None and self._lease_tail.get(key) is done:
-                del self._lease_tail[key]
+            del self._in_flight[ticket]
+            self._order.done(key, ticket)
             self._limit.release()
 
     async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
@@ -565,31 +550,48 @@ class WorkerConnection:
 
     # -- the push session ---------------------------------------------------------------
 
-    def _start_session(self, worker_id: str) -> None:
+    async def _attach(self, worker_id: str) -> None:
+        """Register this connection as `worker_id`'s push connection (replacing an earlier one)."""
         self._end_session()
-        self._session = self.protocol.engine.push_session(worker_id)
+        try:
+            self._attached = await self.protocol.daemon.attach(worker_id, self)
+        except StepdError:
+            self._attached = None  # the sessions are restarting: credit will be refused
+            return
         self.worker_id = worker_id
-        self.sockets.route_cancels(worker_id, self)
-        assert self._handlers is not None
-        self._handlers.start_soon(self._push_loop, self._session)
 
     def _end_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            session.close()  # unoffered slots go back to the queue
-        if self.worker_id is not None:
-            self.sockets.unroute_cancels(self.worker_id, self)
+        attached, self._attached = self._attached, None
+        if attached is not None:
+            attached.detach()  # unoffered slots and credit go back
 
-    async def _push_loop(self, session: Any) -> None:
+    # -- the session's outbox (`stepd.actors.daemon.session.Outbox`) ---------------------
+
+    def lease(self, lease: dict[str, Any]) -> bool:
+        """Queue a lease (its credit bounds how many wait); False when the connection ends."""
+        if self._pool_closing or self._peer_gone:
+            return False
+        message, size = self._encode({"op": "lease", "lease": lease})
+        if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
+            self._overflow()
+            return False
         try:
-            async with contextlib.aclosing(session.leases()) as leases:
-                async for lease in leases:
-                    if not await self._push({"op": "lease", "lease": lease}):
-                        # Offered into a connection that is going away: hand the
-                        # slot back now rather than after the lease TTL.
-                        self.protocol.engine.release(lease["lease_id"])
+            self._out.send_beyond((message, size))
         except anyio.ClosedResourceError:
-            pass  # the session was closed (its receive side too) while a lease was offered
+            return False
+        self._out_bytes += size
+        return True
+
+    def cancel(self, lease_id: str, reason: str) -> None:
+        """Tell the worker to stop a body; dropped when the queue is full (the heartbeat's
+        409 delivers it anyway, STYLE.md rule 21)."""
+        self.push_nowait({"op": "cancel", "lease_id": lease_id, "reason": reason})
+
+    def close(self, reason: str) -> None:
+        """The session gave this connection up (it restarted): close it; the worker reconnects."""
+        self._close = _Close(CLOSE_SERVICE_RESTART, reason[:100])
+        self._attached = None
+        self._read_scope.cancel()
 
     # -- writing --------------------------------------------------------------------------
 

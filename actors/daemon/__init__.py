@@ -1,10 +1,13 @@
-"""The daemon's actors (run, lease, registry, timers, recovery) and the engine that wires them.
+"""The daemon: its API (`api.Daemon`) over its actors (run, lease, session, registry, timers,
+recovery), the services they stand on, and the tables they write.
 
 Built only on the generic runtime's public API (`stepd.actors`), the pure
-engine (`stepd.sansio`) and storage (`stepd.storage`).
+machines (`stepd.sansio`) and storage (`stepd.storage`). docs/architecture.md
+draws the tree and a step's path through it.
 """
 
-from .engine import PROTOCOL_VERSION, Engine, EngineConfig
+from .api import PROTOCOL_VERSION, Connection, Daemon
 from .run import SignalRefused
+from .services import DaemonConfig
 
-__all__ = ["PROTOCOL_VERSION", "Engine", "EngineConfig", "SignalRefused"]
+__all__ = ["PROTOCOL_VERSION", "Connection", "Daemon", "DaemonConfig", "SignalRefused"]

@@ -18,8 +18,10 @@ from typing import Any
 from stepd.sansio.definition import Definition, parse_definition
 from stepd.storage import ReadTxn, WriteTxn
 
-TABLE = "definitions"
-SEQ_KEY = b"definitions_seq"
+from . import tables
+
+TABLE = tables.DEFINITIONS
+SEQ_KEY = b"definitions_seq"  # in tables.META
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,7 @@ def register_txn(txn: WriteTxn, definitions: list[Definition], now_ms: int) -> l
 
     A definition already stored (same hash) keeps its first registration.
     """
-    seq_raw = txn.get("meta", SEQ_KEY)
+    seq_raw = txn.get(tables.META, SEQ_KEY)
     seq = int(seq_raw) if isinstance(seq_raw, int) else 0
     added: list[Registered] = []
     for definition in definitions:
@@ -90,5 +92,5 @@ def register_txn(txn: WriteTxn, definitions: list[Definition], now_ms: int) -> l
         txn.put(TABLE, h, value)
         added.append(Registered(definition, seq, now_ms))
     if added:
-        txn.put("meta", SEQ_KEY, seq)
+        txn.put(tables.META, SEQ_KEY, seq)
     return added

@@ -4,17 +4,21 @@ It drives a `LeaseMachine` (expiry, orphaning, revival, recovery) and answers
 what it can from memory with `reject_reason`; a call that changes the run is
 handed to the run actor (`ApplyAttempt`), which persists it under the durable
 guard and only then lets this actor answer. When the lease ends (its own
-complete/fail, recovery, or the run ending it) the actor stops; later calls
-are judged from the durable record by the engine (`Engine.lease_call`).
+complete/fail, recovery, or the run ending it) the actor tells its worker's
+session (`LeaseEnded`: the session pushes a ``cancel`` when the end came
+early) and stops; later calls are judged from the durable record
+(`api.Daemon.lease_call`).
 
-After a daemon restart, or a kill, the lease is re-armed with a full TTL from
-now (PROTOCOL.md "Expiry and recovery"; a restart must not mass-expire
-healthy workers).
+After a daemon restart the lease is re-armed with a full TTL from now
+(PROTOCOL.md "Expiry and recovery"; a restart must not mass-expire healthy
+workers). After a kill of its actor it keeps its expiry: the `LeaseMemo` its
+child spec holds across incarnations remembers the last call, so killing it
+again and again cannot keep a dead worker's lease alive forever.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepd.actors import Actor
 from stepd.sansio.errors import (
@@ -46,11 +50,17 @@ from stepd.sansio.lease import (
     reject_reason,
 )
 
-from . import store
-from .messages import ApplyAttempt, AttemptNote, Due, EndLease, LeaseCall, ReleaseLease
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from . import peers, store
+from .messages import (
+    ApplyAttempt,
+    AttemptNote,
+    Due,
+    EndLease,
+    LeaseCall,
+    LeaseEnded,
+    ReleaseLease,
+)
+from .services import Services
 
 CONFLICTS: dict[str, type[Conflict]] = {
     "already_applied": AlreadyApplied,
@@ -60,21 +70,36 @@ CONFLICTS: dict[str, type[Conflict]] = {
 }
 
 
+class LeaseMemo:
+    """What a lease's incarnations hand on to each other (its child spec holds it).
+
+    Only the time of the last call: nothing durable, but what keeps a killed
+    lease actor's successor from granting a dead worker a fresh TTL.
+    """
+
+    __slots__ = ("incarnations", "touched")
+
+    def __init__(self) -> None:
+        self.touched: int | None = None
+        self.incarnations = 0
+
+
 class LeaseActor(Actor):
     kind = "lease"
     reply_errors = (Conflict, Invalid, NotFound)
 
-    def __init__(
-        self, engine: Engine, record: LeaseRecord, *, restarted: bool = False, fresh: bool = True
-    ) -> None:
-        self.engine = engine
+    def __init__(self, services: Services, record: LeaseRecord, memo: LeaseMemo, *,
+                 fresh: bool = True) -> None:
+        self.s = services
         self._initial = record
-        self._restarted = restarted
-        self._fresh = fresh and not restarted  # just offered: the TTL runs from the offer
+        self._memo = memo
+        memo.incarnations += 1
+        self._restarted = memo.incarnations > 1
+        self._fresh = fresh and not self._restarted  # just offered: the TTL runs from the offer
         self.machine: LeaseMachine
 
     async def on_start(self) -> None:
-        e = self.engine
+        e = self.s
         record = self._initial
         if self._restarted:
             raw = e.storage.get(store.LEASES, record.lease_id)
@@ -89,7 +114,7 @@ class LeaseActor(Actor):
         if self._fresh:
             since = record.offered_at
         elif self._restarted:
-            since = e.lease_touched.get(record.lease_id, record.offered_at)
+            since = self._memo.touched or record.offered_at
         else:
             since = self.clock.time_ms()
         self.machine = LeaseMachine(
@@ -99,12 +124,13 @@ class LeaseActor(Actor):
         if not record.status.live:
             self.stop()
             return
-        e.live_leases[record.lease_id] = record
         self._arm()
 
-    async def on_stop(self, reason: BaseException | None) -> None:
-        self.engine.live_leases.pop(self._initial.lease_id, None)
-        self.engine.lease_touched.pop(self._initial.lease_id, None)
+    def _end(self, reason: str | None) -> None:
+        """The lease is over: its session hears it (a cancel if `reason`), then stop."""
+        rec = self.machine.record
+        peers.tell(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
+        self.stop()
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, LeaseCall):
@@ -117,17 +143,18 @@ class LeaseActor(Actor):
             if rec.status is LeaseStatus.OFFERED:
                 now = self.clock.time_ms()
                 self.machine.end(LeaseStatus.FENCED, now)
-                await self.engine.tell_run(rec.run_id, AttemptNote(
+                await peers.wake_run(self.s, rec.run_id, AttemptNote(
                     rec.lease_id, AttemptReleased(rec.step_id, rec.item_index, rec.fence),
                     rec.to_dict()))
-                self.stop()
+                self._end(None)
             return None
         if isinstance(message, EndLease):
             if self.machine.status.live:
                 status = LeaseStatus.FENCED if message.reason == "fenced" else LeaseStatus.RUN_TERMINAL
                 self.machine.end(status, self.clock.time_ms())
-                self.engine.push_cancel(self.machine.record, message.reason)
-            self.stop()
+                self._end(message.reason)
+            else:
+                self.stop()
             return None
         raise TypeError(f"lease actor: unexpected message {message!r}")
 
@@ -142,12 +169,10 @@ class LeaseActor(Actor):
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         now = self.clock.time_ms()
-        self.engine.worker_seen[rec.worker_id] = now
-        self.engine.worker_active[rec.worker_id] = now
-        self.engine.lease_touched[rec.lease_id] = now
+        self._memo.touched = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
         if revived:
-            await self.engine.tell_run(rec.run_id, AttemptNote(
+            await peers.wake_run(self.s, rec.run_id, AttemptNote(
                 rec.lease_id, AttemptRevived(rec.step_id, rec.item_index, rec.fence)))
         if call.op is Op.HEARTBEAT:
             self._arm()
@@ -175,18 +200,20 @@ class LeaseActor(Actor):
             # (PROTOCOL.md asks that only of at_most_once): tell the run and
             # answer now. The run's mailbox keeps it ahead of this lease's
             # `complete`; if the run refuses it, that `complete` hears why.
-            await self.engine.tell_run(rec.run_id, ApplyAttempt(rec.lease_id, call.op, stored, event))
+            await peers.wake_run(self.s, rec.run_id,
+                                 ApplyAttempt(rec.lease_id, call.op, stored, event))
             self._arm()
             return {}
         try:
-            await self.engine.ask_run(rec.run_id, ApplyAttempt(rec.lease_id, call.op, stored, event))
+            await peers.ask_run(self.s, rec.run_id,
+                                ApplyAttempt(rec.lease_id, call.op, stored, event))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
-            self.stop()
+            self._end(None)  # the worker hears it in this answer
             raise
         if final is not None:
             m.end(final, now)
-            self.stop()
+            self._end(None)
         else:
             self._arm()
         return {}
@@ -196,15 +223,14 @@ class LeaseActor(Actor):
         rec = m.record
         for action in m.tick(self.clock.time_ms()):
             if isinstance(action, Orphaned):
-                await self.engine.tell_run(rec.run_id, AttemptNote(
+                await peers.wake_run(self.s, rec.run_id, AttemptNote(
                     rec.lease_id, AttemptOrphaned(rec.step_id, rec.item_index, rec.fence)))
             elif isinstance(action, Recover):
                 stored = rec.to_dict()
-                await self.engine.tell_run(rec.run_id, AttemptNote(
+                await peers.wake_run(self.s, rec.run_id, AttemptNote(
                     rec.lease_id, AttemptLost(rec.step_id, rec.item_index, rec.fence, action.started),
                     stored))
-                self.engine.push_cancel(rec, "fenced")
-                self.stop()
+                self._end("fenced")
                 return
         self._arm()
 

@@ -47,8 +47,8 @@ from stepd.storage import ReadTxn, WriteTxn, decode, encode, prefix_end, u64be
 from . import tables as store
 
 __all__ = [
-    "Query",
     "SCAN_BUDGET",
+    "Query",
     "count_by_status_txn",
     "index_txn",
     "list_txn",

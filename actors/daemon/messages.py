@@ -1,26 +1,30 @@
 """Messages between the daemon's actors: frozen, slotted dataclasses (STYLE.md rule 12).
 
-Who sends what:
+Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
 
-* protocol handler -> lease actor: `LeaseCall`
+* API -> lease actor: `LeaseCall` (ask)
 * lease actor -> run actor: `ApplyAttempt` (ask), `AttemptNote` (tell)
-* protocol handler / engine -> run actor: `Offer`, `Signal`, `CancelRun`, `Resync`,
-  `InboxChanged`
-* run actor -> lease actor: `EndLease`
-* run actor / engine -> registry: `Announce`, `WithdrawSlots`, `ReturnSpecs`,
-  `RegisterWorker`, `Claim`, `CancelWait`
+* session actor -> run actor: `Offer` (ask)
+* API -> run actor: `Signal`, `CancelRun` (asks); recovery -> run: `Resync`, `InboxChanged`
+* run actor -> lease actor: `EndLease`; -> registry: `Announce`, `WithdrawSlots`
+* lease actor -> session actor: `LeaseEnded`
+* API / connections -> session actor: `Attach`, `Detach`, `Grant`, `ClaimSlots`,
+  `AbandonClaim`, `Touch`, `Resubscribe`, `Forget`
+* registry -> session actor: `SlotFor`
+* session actor -> registry: `Subscribe`, `Unsubscribe`, `ReturnSpecs`
+* API -> registry: `RegisterWorker`, `ForgetWorkers`, `RegistryStats`
+* run actor -> timer actor: `TimerIndexChanged`
 * timers: each actor's own `Due`
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from stepd.sansio.events import AttemptSpec
 from stepd.sansio.lease import Op
-
-from .store import InTxn
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +42,6 @@ class IdleCheck:
 
 @dataclass(frozen=True, slots=True)
 class LeaseCall:
-    """A worker call on a lease (PROTOCOL.md "Worker calls")."""
-
     op: Op
     body: Any = None  # the call's parsed body: progress, output/state_patch/usage/spans, error
     # The worker registered on the connection the call came in on, when the
@@ -53,12 +55,12 @@ class LeaseCall:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseLease:
-    """The lease was offered but never reached its worker: give the slot back now."""
+    """The lease never reached its worker: if it is still only offered, requeue its slot now."""
 
 
 @dataclass(frozen=True, slots=True)
 class EndLease:
-    """The run ended this lease: `reason` is what later calls are told."""
+    """The run ended this lease (fenced by a later attempt, or the run is over)."""
 
     reason: str  # "fenced" | "run_terminal"
 
@@ -68,7 +70,7 @@ class EndLease:
 
 @dataclass(frozen=True, slots=True)
 class Offer:
-    """Turn a queued slot into a lease held by this worker (registry assignment)."""
+    """Turn a queued slot into a lease for this worker (None: the slot moved on)."""
 
     spec: AttemptSpec
     worker_id: str
@@ -77,10 +79,9 @@ class Offer:
 
 @dataclass(frozen=True, slots=True)
 class ApplyAttempt:
-    """A lease actor hands a worker call to its run: persist it, then answer.
+    """A lease call that changes the run: persist it under the durable guard, then answer.
 
-    `lease` is the lease record as it must be stored once the call applies;
-    `event` the run machine event (AttemptStarted / AttemptCompleted / ...).
+    `lease` is the updated lease record to store in the same transaction.
     """
 
     lease_id: str
@@ -91,7 +92,7 @@ class ApplyAttempt:
 
 @dataclass(frozen=True, slots=True)
 class AttemptNote:
-    """Timing news from a lease actor: orphaned, revived, or lost (recovered)."""
+    """A lease event the run records without anyone waiting (orphaned, revived, lost)."""
 
     lease_id: str
     event: Any
@@ -102,23 +103,29 @@ class AttemptNote:
 class Signal:
     name: str
     payload: Any = None
-    also: InTxn | None = None  # written in the signal's transaction (its audit entry)
+    audit: Any = None  # an AuditEntry written in the signal's transaction
 
 
 @dataclass(frozen=True, slots=True)
 class CancelRun:
     message: str = "cancelled"
-    also: InTxn | None = None  # written in the cancel's transaction (its audit entry)
+    audit: Any = None  # an AuditEntry written in the cancel's transaction
 
 
 @dataclass(frozen=True, slots=True)
 class Resync:
-    """Re-announce runnable slots and make sure every live lease has its actor."""
+    """Re-announce queued slots and make sure every live lease has its actor."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncAll:
+    """To recovery: send every active run a `Resync` (a restarted session lost the
+    slots the registry had handed it, in its hand or still in its mailbox)."""
 
 
 @dataclass(frozen=True, slots=True)
 class InboxChanged:
-    """Messages (child results, cancels) wait in this run's durable inbox."""
+    """Messages wait in the run's durable inbox (a child finished, a parent cancelled)."""
 
 
 # --------------------------------------------------------------------------- registry
@@ -126,7 +133,7 @@ class InboxChanged:
 
 @dataclass(frozen=True, slots=True)
 class Announce:
-    """These slots are runnable (deduplicated by the registry)."""
+    """These slots are runnable: hand each to exactly one worker session."""
 
     specs: tuple[AttemptSpec, ...]
 
@@ -139,7 +146,7 @@ class WithdrawSlots:
 
 @dataclass(frozen=True, slots=True)
 class ReturnSpecs:
-    """Assigned slots that were never offered (the claimant went away): queue them again."""
+    """Slots taken back (a session could not take them): queue them again, ahead."""
 
     specs: tuple[AttemptSpec, ...]
 
@@ -153,26 +160,111 @@ class RegisterWorker:
 
 @dataclass(frozen=True, slots=True)
 class ForgetWorkers:
-    """Workers expired for idleness (`Engine.expire_workers`): route nothing to them."""
+    """Workers expired for idleness: route nothing to them."""
 
     worker_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    """Take up to `max` runnable slots for this worker; with `waiter`, park if none."""
+class Subscribe:
+    """A worker session takes `n` more slots: its push credit (claim None) or one claim."""
 
     worker_id: str
-    max: int
-    run_id: str | None
-    waiter: Any = None  # registry.Waiter: a one-shot slot the registry fills
+    n: int
+    claim: int | None = None
+    run_id: str | None = None  # only this run's slots
 
 
 @dataclass(frozen=True, slots=True)
-class CancelWait:
-    waiter: Any
+class Unsubscribe:
+    """Withdraw a session's push credit (claim None), one claim, or everything (`all`)."""
+
+    worker_id: str
+    claim: int | None = None
+    all: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class RegistryStats:
-    """Ask for the registry's counts (for /metrics and GET /v1/api/workers)."""
+    """Ask for the registry's counts (for /metrics)."""
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """A push connection registered as this worker: deliver its leases and cancels to `outbox`."""
+
+    conn: int
+    outbox: Any  # session.Outbox
+
+
+@dataclass(frozen=True, slots=True)
+class Detach:
+    conn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The attached connection grants `n` more leases (credit)."""
+
+    conn: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSlots:
+    """An HTTP claim: up to `max` leases by `deadline` (ms), answered through `reply`."""
+
+    claim: int
+    max: int
+    run_id: str | None
+    deadline: int
+    reply: Callable[[list[dict[str, Any]]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonClaim:
+    claim: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFor:
+    """The registry hands this session a runnable slot, for a claim or its push credit."""
+
+    spec: AttemptSpec
+    claim: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEnded:
+    """A lease of this worker ended; `reason` fenced / run_terminal ends it early."""
+
+    lease_id: str
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """The worker called on one of its leases (liveness)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resubscribe:
+    """The registry restarted: subscribe again with what this session still takes."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """Ask a session what it knows (workers list, expiry decisions)."""
+
+
+# --------------------------------------------------------------------------- timers
+
+
+@dataclass(frozen=True, slots=True)
+class TimerIndexChanged:
+    """A passivated run's deadline is on record at `due` (ms): wake for it if sooner."""
+
+    due: int

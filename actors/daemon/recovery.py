@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stepd.actors import Actor, ActorDead
+from stepd.actors import Actor, ActorDead, ActorNotFound
 from stepd.sansio.errors import Unavailable
 
-from . import store
-from .messages import Due, InboxChanged, Resync
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from . import peers, store
+from .messages import Due, InboxChanged, Resubscribe, Resync, ResyncAll
+from .services import Services
 
 log = logging.getLogger("stepd.recovery")
 
@@ -43,15 +41,15 @@ class Continue:
 class RecoveryActor(Actor):
     kind = "recovery"
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, services: Services) -> None:
+        self.s = services
         self.todo: list[tuple[str, Any]] = []
         self.pending: dict[str, Any] = {}  # runs that did not come up yet, and what to tell them
         self.backoff = 0.01
         self.recovered = 0
 
     async def on_start(self) -> None:
-        e = self.engine
+        e = self.s
         self.todo = [(k.decode(), Resync()) for k, _ in e.storage.scan(store.IDX_ACTIVE)]
         last = None
         for key, _ in e.storage.scan(store.INBOX):
@@ -59,10 +57,29 @@ class RecoveryActor(Actor):
             if target != last:
                 self.todo.append((target, InboxChanged()))
                 last = target
-        e.resubscribe_sessions()
+        # Every registered worker has its session (its expiry runs there), and
+        # every session subscribes again: a restarted registry forgot them all.
+        try:
+            for key, _ in e.storage.scan(store.WORKERS):
+                await peers.ensure_session(e, key.decode())
+            for _, ref in e.system.supervisor("/sessions").which_children():
+                peers.tell_ref(ref, Resubscribe())
+        except (ActorDead, ActorNotFound):
+            # /sessions died under us (a kill): the root restarts it and, rest_for_one,
+            # every sibling after it, this actor included. Failing the start here would
+            # count as a crash of ours against the root's intensity.
+            log.info("recovery: /sessions is restarting; sessions are resubscribed after it")
         self.ref.tell_nowait(Continue())
 
     async def receive(self, message: Any) -> Any:
+        if isinstance(message, ResyncAll):
+            sweeping = bool(self.todo)
+            queued = {run_id for run_id, _ in self.todo}
+            self.todo += [(run_id, Resync()) for k, _ in self.s.storage.scan(store.IDX_ACTIVE)
+                          if (run_id := k.decode()) not in queued]
+            if not sweeping and self.todo:
+                self.ref.tell_nowait(Continue())
+            return None
         if isinstance(message, Continue):
             batch, self.todo = self.todo[:BATCH], self.todo[BATCH:]
             for run_id, msg in batch:
@@ -82,17 +99,17 @@ class RecoveryActor(Actor):
 
     async def _wake(self, run_id: str, message: Any) -> bool:
         try:
-            await self.engine.wake_run(run_id, message, retries=5)
+            await peers.wake_run(self.s, run_id, message, retries=5)
             self.recovered += 1
         except ActorDead:
             return False
         except Unavailable:
-            if not self.engine.supervisors_alive():
+            if not peers.supervisors_alive(self.s):
                 return False
             # It keeps dying as it starts (someone is killing it): try again
             # later. A run with work in flight must end up with an actor.
             self.pending[run_id] = message
             self.arm_timer("retry", self.clock.now() + self.backoff, Due())
-        except Exception:  # noqa: BLE001 - one bad run must not keep every other run down
+        except Exception:
             log.exception("recovery could not activate run %s; it stays on record", run_id)
         return True

@@ -18,7 +18,7 @@ run actors: so no cycle of asks, no deadlock.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
 from stepd.sansio.errors import Conflict, Invalid
@@ -43,7 +43,7 @@ from stepd.sansio.lease import LeaseRecord, LeaseStatus, Op
 from stepd.sansio.record import RunRecord
 from stepd.sansio.run import RunMachine
 
-from . import store
+from . import ids, peers, store
 from .messages import (
     ApplyAttempt,
     AttemptNote,
@@ -55,9 +55,7 @@ from .messages import (
     Resync,
     Signal,
 )
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .services import Services
 
 log = logging.getLogger("stepd.daemon")
 
@@ -75,6 +73,32 @@ def own_crash(reason: BaseException | None) -> BaseException | None:
     if reason is None or isinstance(reason, (ActorKilled, ActorDead)):
         return None
     return reason if isinstance(reason, Exception) else None
+
+
+def child_writes(s: Services, effect: StartChildren, now: int) -> list[store.RunWrite]:
+    """The records of the child runs a `start_workflows` step creates.
+
+    Created unbegun (`RunRecord.begun`): each child's own actor enters its
+    first step, in its own transaction. A child whose first step starts
+    children of its own thus adds one level per transaction, never a
+    recursion inside this one (a workflow starting itself once recursed until
+    Python gave up, and the start answered 500).
+    """
+    writes = []
+    for child in effect.children:
+        machine, tr = RunMachine.start(
+            run_id=child.run_id, definition=effect.definition, input=child.input, now_ms=now,
+            correlation=effect.correlation,
+            parent={"run_id": effect.parent_run_id, "step_id": effect.step_id},
+            resolve=s.catalog.resolve, depth=effect.depth, begin=False,
+            max_depth=s.config.max_child_depth,
+        )
+        writes.append(store.RunWrite(
+            run_id=child.run_id, record=machine.record.to_dict(), journal=tr.journal,
+            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
+        ))
+        s.stats.runs_started += 1
+    return writes
 
 
 def walk_writes(writes: list[store.RunWrite]) -> list[store.RunWrite]:
@@ -108,14 +132,14 @@ class RunActor(Actor):
 
     def __init__(
         self,
-        engine: Engine,
+        services: Services,
         run_id: str,
         initial: tuple[RunMachine, Transition] | None = None,
         *,
         restarted: bool = False,
         expect_message: bool = False,
     ) -> None:
-        self.engine = engine
+        self.s = services
         self.run_id = run_id
         self._initial = initial
         self._restarted = restarted
@@ -130,7 +154,7 @@ class RunActor(Actor):
     # ------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        e = self.engine
+        e = self.s
         give_up = await self._count_crash()
         if give_up is _ABANDON:
             self.stop()  # failing it failed too: no actor until something wakes it again
@@ -160,7 +184,7 @@ class RunActor(Actor):
             tr = Transition()
         self.indexed_due = self.machine.next_deadline()
         self.indexed_active = not self.machine.idle()
-        # The status as counted in engine.status_counts (creation counted it already).
+        # The status as counted in stats.status_counts (creation counted it already).
         self._status = self.machine.record.status.value
         if isinstance(give_up, str) and not self.machine.record.status.terminal:
             failed = self.machine.handle(InternalFailure(give_up), self.clock.time_ms())
@@ -190,7 +214,7 @@ class RunActor(Actor):
                     # entry is committed (every write of this run is), so the
                     # timer actor's next sweep sees it; telling it earlier (at
                     # the write) lost runs to a sweep between tell and commit.
-                    self.engine.timer_index_changed(self.indexed_due)
+                    await peers.timers_changed(self.s, self.indexed_due)
                 self.stop()
 
     async def _count_crash(self) -> str | object | None:
@@ -205,7 +229,7 @@ class RunActor(Actor):
             return None
         now = self.clock.time_ms()
         error = f"{type(crash).__name__}: {crash}"
-        count = await self.engine.storage.write(
+        count = await self.s.storage.write(
             store.count_crash_txn, self.run_id, now, error, CRASH_PERIOD_MS, 2 * MAX_CRASHES + 1)
         if count <= MAX_CRASHES:
             return None
@@ -243,13 +267,13 @@ class RunActor(Actor):
                                      self.clock.time_ms())
             # A refused signal journals its refusal; its audit entry (a 409) is
             # the caller's to write, not this transaction's.
-            await self._commit(tr, also=message.also if tr.refused is None else None)
+            await self._commit(tr, audit=message.audit if tr.refused is None else None)
             await self._effects(tr)
             if tr.refused is not None:
                 raise SignalRefused(tr.refused[1])
             return None
         if isinstance(message, CancelRun):
-            await self._handle(Cancel(message.message), also=message.also)
+            await self._handle(Cancel(message.message), audit=message.audit)
             return None
         if isinstance(message, InboxChanged):
             await self._drain_inbox()
@@ -272,9 +296,9 @@ class RunActor(Actor):
         return tr
 
     async def _offer(self, msg: Offer) -> dict[str, Any] | None:
-        e = self.engine
+        e = self.s
         now = self.clock.time_ms()
-        lease_id = e.new_lease_id()
+        lease_id = ids.lease_id(now)
         spec = msg.spec
         try:
             tr = self.machine.handle(
@@ -297,9 +321,9 @@ class RunActor(Actor):
         # ordered after it, so `started`/`complete` find the lease on record.
         e.storage.write_deferred(store.apply_txn,
                                  store.deferred(self._write(tr, leases=[record.to_dict()])))
-        await e.start_lease_actor(record, self.machine.record.workflow)
+        peers.start_lease(e, record)
         lease["lease_ttl_ms"] = e.config.lease_ttl_ms
-        e.metrics_offered(spec, now)
+        e.stats.leases_offered += 1
         return lease
 
     async def _apply_attempt(self, msg: ApplyAttempt) -> None:
@@ -321,13 +345,14 @@ class RunActor(Actor):
                     return  # this very call landed before an incarnation died under it
                 raise
         if queued_at is not None:
-            self.engine.sample_schedule_to_start((now - queued_at) / 1000.0)
+            stats = self.s.stats
+            stats.sample(stats.schedule_to_start, (now - queued_at) / 1000.0)
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
-            self.engine.storage.write_deferred(
+            self.s.storage.write_deferred(
                 store.apply_txn, store.deferred(self._write(tr, leases=[msg.lease])))
             self._arm()
             return
@@ -353,21 +378,21 @@ class RunActor(Actor):
         token = msg.lease.get("call")
         if msg.op is Op.STARTED or final not in ("completed", "failed") or not token:
             return False
-        raw = self.engine.storage.get(store.LEASES, msg.lease_id)
+        raw = self.s.storage.get(store.LEASES, msg.lease_id)
         return isinstance(raw, dict) and raw.get("status") == final and raw.get("call") == token
 
     async def _note(self, msg: AttemptNote) -> None:
         try:
             tr = self.machine.handle(msg.event, self.clock.time_ms())
         except Conflict:
-            return None  # the attempt moved on meanwhile: nothing to record
+            return  # the attempt moved on meanwhile: nothing to record
         leases = [msg.lease] if msg.lease is not None else []
         await self._commit(tr, leases=leases)
         await self._effects(tr)
-        return None
+        return
 
     async def _drain_inbox(self) -> None:
-        e = self.engine
+        e = self.s
         entries = e.storage.read(store.inbox_txn, self.run_id)
         for key, msg in entries:
             kind = msg.get("type")
@@ -408,10 +433,10 @@ class RunActor(Actor):
                 status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).value
                 w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
             elif isinstance(effect, StartChildren):
-                children = self.engine.child_writes(effect, now)
+                children = child_writes(self.s, effect, now)
                 w.children.extend(children)
                 for cw in walk_writes(children):
-                    self.engine.status_moved(None, cw.record["status"])
+                    self.s.stats.status_moved(None, cw.record["status"])
                     # Grandchildren too (a child whose first step starts its own):
                     # every run created here needs an actor once this commits.
                     self._created.append(cw.run_id)
@@ -429,7 +454,7 @@ class RunActor(Actor):
         self.indexed_active = active
         status = m.record.status.value
         if status != self._status:
-            self.engine.status_moved(self._status, status)
+            self.s.stats.status_moved(self._status, status)
             self._status = status
         return w
 
@@ -441,44 +466,48 @@ class RunActor(Actor):
             self._arm()
             return
         w = self._write(tr, **extra)
-        await self.engine.storage.write(store.apply_txn, w)
+        await self.s.storage.write(store.apply_txn, w)
         self._arm()
 
     # ------------------------------------------------------------------ effects
 
     async def _effects(self, tr: Transition) -> None:
-        e = self.engine
+        e = self.s
         for effect in tr.effects:
             if isinstance(effect, Runnable):
-                e.announce(effect.attempts)
+                peers.announce(e, effect.attempts)
             elif isinstance(effect, Withdraw):
-                e.withdraw(effect.run_id, effect.slots)
+                peers.withdraw(e, effect.run_id, effect.slots)
             elif isinstance(effect, EndLeases):
                 for lease_id in effect.lease_ids:
-                    e.end_lease(lease_id, effect.reason)
+                    peers.end_lease(e, lease_id, effect.reason)
             elif isinstance(effect, StartChildren):
                 created, self._created = self._created, []
                 for child_id in created:
-                    await e.wake_run(child_id, None)
+                    await peers.wake_run(e, child_id, None)
             elif isinstance(effect, CancelChildren):
                 for child_id in effect.run_ids:
-                    await e.wake_run(child_id, InboxChanged())
+                    await peers.wake_run(e, child_id, InboxChanged())
             elif isinstance(effect, NotifyParent):
-                await e.wake_run(effect.parent_run_id, InboxChanged())
+                await peers.wake_run(e, effect.parent_run_id, InboxChanged())
             elif isinstance(effect, RunEnded):
-                e.run_ended(self.run_id, effect.status, self.machine.record.created_at)
+                stats = e.stats
+                stats.runs_ended += 1
+                stats.sample(stats.run_to_complete,
+                             (self.clock.time_ms() - self.machine.record.created_at) / 1000)
+                e.watch.ended(self.run_id)
 
     def _announce(self) -> None:
         specs = self.machine.runnable()
         if specs:
-            self.engine.announce(tuple(specs))
+            peers.announce(self.s, tuple(specs))
 
     async def _ensure_leases(self) -> None:
         """Every live lease of this run has its actor (after a restart: with a full TTL)."""
         live = self.machine.live_leases()
         if not live:
             return
-        e = self.engine
+        e = self.s
         records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
         if len(records) < len(live):
             # An offer is written behind. Its actor was started with it, but if
@@ -491,9 +520,8 @@ class RunActor(Actor):
             raw = on_record.get(lease_id)
             if raw is None:
                 continue  # ended meanwhile, or its offer was lost in a crash (queued on record)
-            if not e.lease_actor_alive(lease_id):
-                await e.start_lease_actor(LeaseRecord.from_dict(raw), self.machine.record.workflow,
-                                          fresh=False)
+            if not peers.lease_alive(e, lease_id):
+                peers.start_lease(e, LeaseRecord.from_dict(raw), fresh=False)
 
     def _arm(self) -> None:
         due = self.machine.next_deadline()

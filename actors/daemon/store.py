@@ -28,9 +28,9 @@ Every table name is declared in `tables`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 from stepd.sansio.errors import AlreadyApplied, Conflict, Fenced, NotStarted, RunTerminal
 from stepd.sansio.lease import LeaseRecord, Op, reject_reason
@@ -39,6 +39,7 @@ from stepd.sansio.status import TERMINAL_STATUSES, RunStatus
 from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, timer_key
 
 from . import listing
+from .audit import AuditEntry, append_txn
 from .tables import (  # re-exported: callers name them store.RUNS, ...
     DISPATCH_KEYS,
     EXTRA_TABLES,
@@ -58,18 +59,18 @@ __all__ = [
     "EXTRA_TABLES",
     "IDX_ACTIVE",
     "INBOX",
-    "InTxn",
     "JOURNAL",
     "LEASES",
-    "LeaseGuard",
     "RUNS",
     "RUN_CRASHES",
     "RUN_SUMMARIES",
-    "RunWrite",
     "TIMERS",
     "TIMER_TAG",
     "WORKERS",
+    "LeaseGuard",
+    "RunWrite",
     "apply_txn",
+    "audit_only_txn",
     "barrier_txn",
     "count_crash_txn",
     "deferred",
@@ -83,8 +84,6 @@ __all__ = [
     "run_is_terminal",
 ]
 
-InTxn: TypeAlias = Callable[[WriteTxn, str, bool], None]
-"""Written inside a run's transaction: ``(txn, run_id, created)`` (an audit entry)."""
 
 TIMER_TAG = b"run"
 
@@ -138,10 +137,10 @@ class RunWrite:
     children: list[RunWrite] = field(default_factory=list)
     inbox: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)  # (target, source, msg)
     inbox_done: list[bytes] = field(default_factory=list)
-    # called in the same transaction with (txn, run id, created): the audit entry of
-    # the start, signal or cancel this write applies; for a start whose `dispatch_key`
-    # was taken, with the existing run's id and created=False
-    also: InTxn | None = None
+    # The audit entry of the start, signal or cancel this write applies, and its
+    # sequence number: written in the same transaction, its target the run (for a
+    # start whose `dispatch_key` was taken: the existing run, status 200).
+    audit: tuple[AuditEntry, int] | None = None
 
 
 def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
@@ -155,8 +154,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         if w.dispatch_key is not None:
             taken = txn.get(DISPATCH_KEYS, w.dispatch_key)
             if isinstance(taken, dict):
-                if w.also is not None:
-                    w.also(txn, str(taken["run_id"]), False)
+                if w.audit is not None:
+                    _audit_txn(txn, w.audit, str(taken["run_id"]), 200)
                 return str(taken["run_id"])
             txn.put(DISPATCH_KEYS, w.dispatch_key, {"run_id": w.run_id, "at": w.record["created_at"]})
         if not txn.put(RUNS, w.run_id, w.record, overwrite=False):
@@ -196,9 +195,14 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         txn.delete(INBOX, key)
     for child in w.children:
         apply_txn(txn, child)
-    if w.also is not None:
-        w.also(txn, w.run_id, w.create)
+    if w.audit is not None:
+        _audit_txn(txn, w.audit, w.run_id, 201 if w.create else 200)
     return None
+
+
+def _audit_txn(txn: WriteTxn, audit: tuple[AuditEntry, int], run_id: str, status: int) -> None:
+    entry, seq = audit
+    append_txn(txn, dataclasses.replace(entry, target=run_id, status=status), seq)
 
 
 def deferred(w: RunWrite) -> RunWrite:
@@ -288,3 +292,8 @@ def inbox_txn(txn: ReadTxn, run_id: str) -> list[tuple[bytes, dict[str, Any]]]:
 
 def run_is_terminal(raw: dict[str, Any]) -> bool:
     return RunStatus(raw["status"]).terminal
+
+
+def audit_only_txn(txn: WriteTxn, audit: tuple[AuditEntry, int], run_id: str, status: int) -> None:
+    """Write an operation's audit entry alone (a start whose idempotency key was taken)."""
+    _audit_txn(txn, audit, run_id, status)

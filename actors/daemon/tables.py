@@ -1,27 +1,33 @@
-"""The daemon's LMDB tables: every name in one place (the storage opens them).
+"""The daemon's LMDB tables: every name and key layout in one place.
 
-`stepd.storage` declares the built-in tables (``runs``, ``journal``,
-``leases``, ...); `EXTRA_TABLES` are the ones this layer adds. The key and
-value layouts are documented where they are written: `store` (runs,
-journal, leases, timers, inbox, crashes) and `listing` (summaries and the
-listing's indexes).
+`stepd.storage` opens the built-in tables (``runs``, ``journal``, ...);
+`EXTRA_TABLES` are the ones this layer adds. Each name carries its key and
+value layout as a comment; the transactions that write them are in `store`
+(runs, journal, leases, timers, inbox, crashes), `listing` (the summaries
+and the listing's indexes), `audit` and `catalog`.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-RUNS: Final = "runs"
-JOURNAL: Final = "journal"
-LEASES: Final = "leases"
-DISPATCH_KEYS: Final = "dispatch_keys"
-TIMERS: Final = "timers"
-WORKERS: Final = "workers"
+# Built-in tables (stepd.storage opens them):
+RUNS: Final = "runs"  # run id -> RunRecord.to_dict()
+JOURNAL: Final = "journal"  # run id + u64be(seq) -> journal entry
+LEASES: Final = "leases"  # lease id -> LeaseRecord.to_dict()
+DEFINITIONS: Final = "definitions"  # definition hash -> {"json", "order", "registered_at"}
+DISPATCH_KEYS: Final = "dispatch_keys"  # idempotency key -> {"run_id", "at"}
+TIMERS: Final = "timers"  # u64be(due ms) + run id + tag -> {}: passivated runs' deadlines
+AUDIT: Final = "audit"  # u64be(time ms) + u64be(seq) -> AuditEntry.to_dict()
+WORKERS: Final = "workers"  # worker id -> registration
+META: Final = "meta"  # b"schema_version", b"definitions_seq" -> int
 
-IDX_ACTIVE: Final = "idx_active"
-INBOX: Final = "inbox"
-RUN_CRASHES: Final = "run_crashes"
-RUN_SUMMARIES: Final = "run_summaries"
+# This layer's additions (`EXTRA_TABLES`):
+
+IDX_ACTIVE: Final = "idx_active"  # run id -> 1: runs with work in flight
+INBOX: Final = "inbox"  # target run id + NUL + source -> message for a maybe-passivated run
+RUN_CRASHES: Final = "run_crashes"  # run id -> {"at": [ms, ...], "error"}
+RUN_SUMMARIES: Final = "run_summaries"  # run id -> listing.summary(); indexes below: listing
 IDX_RUNS_CREATED: Final = "idx_runs_created"
 IDX_RUNS_STATUS: Final = "idx_runs_status"
 IDX_RUNS_WORKFLOW: Final = "idx_runs_workflow"

@@ -88,7 +88,7 @@ def iso_ms(ms: int) -> str:
     import datetime as _dt
 
     return (
-        _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.timezone.utc)
+        _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC)
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z")
     )
@@ -123,7 +123,7 @@ def _retry_of(step: Step) -> Any:
 class _RunBase:
     """The run machine's state and the helpers every layer uses (journal, budgets, endings)."""
 
-    __slots__ = ("record", "definition", "resolve", "max_depth")
+    __slots__ = ("definition", "max_depth", "record", "resolve")
 
     def __init__(
         self,

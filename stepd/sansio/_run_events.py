@@ -60,6 +60,11 @@ class _RunEvents(_RunSteps):
         f, slot = self._slot(ev.step_id, ev.item_index)
         if slot.phase is not SlotPhase.QUEUED:
             raise Fenced(f"slot {slot_key(ev.step_id, ev.item_index)} is {slot.phase.value}, not queued")
+        if ev.worker_id in slot.excluded:
+            # PROTOCOL.md "Unservable": never offered again to a worker that said it
+            # lacks the body, whatever stale copy of the slot its session still held.
+            raise Fenced(f"worker {ev.worker_id} answered unservable for slot "
+                         f"{slot_key(ev.step_id, ev.item_index)}")
         step = self.definition.step(f.step_id)
         tr = Transition()
         key = slot_key(ev.step_id, ev.item_index)

@@ -47,6 +47,8 @@ from ._parse import (
 __all__ = [
     "BUDGET_NAMES",
     "END",
+    "MAX_DURATION_MS",
+    "MAX_INT",
     "MAX_NAME_BYTES",
     "STEP_TYPES",
     "Budgets",
@@ -60,13 +62,11 @@ __all__ = [
     "StepKind",
     "TaskStep",
     "WaitStep",
+    "definition_hash",
     "parse_budgets",
     "parse_definition",
     "parse_retry",
     "parse_step",
-    "MAX_DURATION_MS",
-    "MAX_INT",
-    "definition_hash",
 ]
 
 

@@ -237,7 +237,7 @@ class LeaseMachine:
     heartbeat or issue plus the TTL) and, once orphaned, `recover_at`.
     """
 
-    __slots__ = ("record", "ttl_ms", "window_ms", "expires_at", "recover_at")
+    __slots__ = ("expires_at", "record", "recover_at", "ttl_ms", "window_ms")
 
     def __init__(self, record: LeaseRecord, *, ttl_ms: int, window_ms: int, now: int) -> None:
         self.record = record

@@ -71,9 +71,6 @@ from .record import RunRecord, Slot, slot_key
 from .status import LIVE_PHASES, RunStatus, SlotPhase
 
 __all__ = [
-    "TRANSITIONS",
-    "RunMachine",
-    "mermaid",
     "ALWAYS_RETRIED",
     "DEFAULT_MAX_CHILD_DEPTH",
     "END",
@@ -83,9 +80,12 @@ __all__ = [
     "MAX_RUN_ID_BYTES",
     "MAX_SIGNAL_BYTES",
     "MAX_TOKEN_TOTAL",
+    "TRANSITIONS",
     "Resolver",
+    "RunMachine",
     "child_run_id",
     "iso_ms",
+    "mermaid",
     "span_id_for",
     "trace_id_for",
 ]

@@ -17,7 +17,7 @@ Events are methods; each returns the actions the shell performs, in order:
   takes now (push credit, or one claim's ``max``), or that a claim left;
 * `Offer`: ask the slot's run for a lease (the run may refuse: the slot moved on);
 * `PushLease` / `PushCancel`: write to the attached connection;
-* `Answer`: end a waiting claim with the leases it got;
+* `ClaimReady`, then `answer`: end a waiting claim with the leases it got;
 * `Release`: a lease that can no longer be delivered (its connection or claim
   went away): hand it back at once instead of after its TTL;
 * `Return`: slots this session was handed but can no longer take;
@@ -37,6 +37,7 @@ from .events import AttemptSpec
 
 __all__ = [
     "Answer",
+    "ClaimReady",
     "Expire",
     "FrameOrder",
     "Offer",
@@ -50,6 +51,11 @@ __all__ = [
 ]
 
 SlotKey = tuple[str, str, "int | None"]  # (run_id, step_id, item_index)
+
+
+def _held(lease: dict[str, Any]) -> dict[str, Any]:
+    return {k: lease.get(k) for k in ("lease_id", "run_id", "step_id", "item_index", "attempt",
+                                      "fence")}
 
 
 def slot_of(spec: AttemptSpec) -> SlotKey:
@@ -103,6 +109,14 @@ class Answer:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimReady:
+    """A claim has leases and no offer under way: `answer` it (now, or after the
+    slots already queued for it are in, so one claim takes a batch)."""
+
+    claim: int
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """A lease issued for a connection or claim that is gone: give it back now."""
 
@@ -121,7 +135,8 @@ class Expire:
     """Idle past the expiry: forget the worker (its journals keep its id)."""
 
 
-Action = Subscribe | Unsubscribe | Offer | PushLease | PushCancel | Answer | Release | Return | Expire
+Action = (Subscribe | Unsubscribe | Offer | PushLease | PushCancel | Answer | ClaimReady | Release
+          | Return | Expire)
 
 
 # --------------------------------------------------------------------------- the machine
@@ -145,7 +160,7 @@ class SessionMachine:
         expiry_ms: forget the worker after this long idle (0: never).
         attached: the push connection's id, or None.
         credit: push credit granted and not yet handed a slot.
-        held: lease id -> run id, for the leases this worker holds.
+        held: lease id -> what the workers list shows of it, for the leases this worker holds.
         last_active: when the worker last did anything (ms).
     """
 
@@ -154,7 +169,7 @@ class SessionMachine:
     last_active: int
     attached: int | None = None
     credit: int = 0
-    held: dict[str, str] = field(default_factory=dict)
+    held: dict[str, dict[str, Any]] = field(default_factory=dict)
     claims: dict[int, _Claim] = field(default_factory=dict)
     in_hand: dict[SlotKey, int | None] = field(default_factory=dict)  # slot -> claim (None: push)
 
@@ -252,23 +267,29 @@ class SessionMachine:
                 return out
             if self.attached is None:
                 return [Release(lease["lease_id"])]
-            self.held[lease["lease_id"]] = spec.run_id
+            self.held[lease["lease_id"]] = _held(lease)
             return [PushLease(lease)]
         c = self.claims.get(claim)
         if c is None:
             return [] if lease is None else [Release(lease["lease_id"])]
         c.pending -= 1
         if lease is not None:
-            self.held[lease["lease_id"]] = spec.run_id
+            self.held[lease["lease_id"]] = _held(lease)
             c.leases.append(lease)
         if c.pending == 0:
             if c.leases:
-                del self.claims[claim]
-                out.append(Unsubscribe(claim))
-                out.append(Answer(claim, tuple(c.leases)))
+                out.append(ClaimReady(claim))
             else:  # every slot it was handed had moved on: it waits on
                 out.append(Subscribe(c.max, claim, c.run_id))
         return out
+
+    def answer(self, claim: int) -> list[Action]:
+        """End a ready claim (`ClaimReady`) with the leases it got; nothing if it moved on."""
+        c = self.claims.get(claim)
+        if c is None or c.pending or not c.leases:
+            return []
+        del self.claims[claim]
+        return [Unsubscribe(claim), Answer(claim, tuple(c.leases))]
 
     def lease_ended(self, lease_id: str, reason: str | None, now: int) -> list[Action]:
         """A lease of this worker ended; `reason` fenced/run_terminal ends it early."""

@@ -44,7 +44,7 @@ Then the load stops, every run must end, and:
   are counted in the summary (``actor-crashes``), not failed.
 
 The kills are not slowed down to spare the supervisors' restart intensity
-(actors/daemon/engine.py: ``ROOT_INTENSITY``, ``RUNS_INTENSITY``): the summary
+(actors/daemon/tree.py: ``ROOT_INTENSITY``, ``CHILD_INTENSITY``): the summary
 reports the kills, the most kills within 10 s, and the restarts the tree
 counted; if the daemon stops, the line says after how many kills, and the
 test fails.
@@ -86,13 +86,14 @@ KILLS = campaign_int("STEPD_CAMPAIGN_ACTOR_KILLS")
 DAEMON_ARGS = ("--lease-ttl-ms", "3000", "--heartbeat-ms", "500", "--recovery-window-ms", "1000",
                "--max-request-ms", "2000")
 #: kind (as the test names it) -> how to find its actors in the tree
-KINDS = ("registry", "run", "lease", "timers", "recovery", "/runs", "/leases")
-STATIC = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+KINDS = ("registry", "run", "lease", "session", "timers", "recovery", "/runs", "/leases",
+         "/sessions")
+STATIC = ["/sessions", "/registry", "/runs", "/leases", "/timers", "/recovery"]
 GAP_S = (0.025, 0.075)
 BACKLOG = 16
 MAX_TRIES = 60  # kill attempts per counted kill, at most (404s while restarting)
 FINAL_DEADLINE_S = 120.0
-PERIOD_S = 10.0  # the root supervisor's intensity period (actors/daemon/engine.py)
+PERIOD_S = 10.0  # the dynamic supervisors' intensity period (actors/daemon/tree.py)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240 + KILLS)]
 

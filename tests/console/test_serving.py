@@ -312,10 +312,10 @@ def test_the_new_reads_need_the_read_scope_and_are_audited(keyed: DaemonProcess)
 
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
-    from stepd.daemon import Daemon, ServeConfig
+    from stepd.daemon import ServeConfig, Server
 
     config = ServeConfig(data=str(tmp_path_factory.mktemp("inproc") / "data"), port=0)
-    daemon = Daemon(config, announce=lambda line: None)
+    daemon = Server(config, announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
         try:

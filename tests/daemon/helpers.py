@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from stepd.actors.daemon import Engine
+from stepd.actors.daemon import Daemon
 from stepd.sansio.lease import Op
 
 Body = Callable[[dict[str, Any]], Any]
@@ -25,7 +25,7 @@ def seq_definition(name: str, n: int) -> dict[str, Any]:
     }
 
 
-async def run_worker(engine: Engine, worker_id: str, bodies: dict[str, Body], stop: anyio.Event, *,
+async def run_worker(engine: Daemon, worker_id: str, bodies: dict[str, Body], stop: anyio.Event, *,
                      max_claim: int = 8) -> int:
     """Claim and run bodies until `stop` is set; returns how many leases it completed."""
     done = 0
@@ -62,14 +62,14 @@ async def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: s
             await anyio.sleep(0.002)
 
 
-def run_actor_alive(engine: Engine, run_id: str) -> bool:
+def run_actor_alive(engine: Daemon, run_id: str) -> bool:
     try:
         return bool(engine.system.resolve(f"/runs/{run_id}").alive)
     except LookupError:
         return False
 
 
-async def claim_one(engine: Engine, worker_id: str, *, run_id: str | None = None,
+async def claim_one(engine: Daemon, worker_id: str, *, run_id: str | None = None,
                     timeout: float = 5.0) -> dict[str, Any]:
     with anyio.fail_after(timeout):
         while True:
@@ -78,14 +78,14 @@ async def claim_one(engine: Engine, worker_id: str, *, run_id: str | None = None
                 return leases[0]
 
 
-async def finish(engine: Engine, lease: dict[str, Any], output: Any = None,
+async def finish(engine: Daemon, lease: dict[str, Any], output: Any = None,
                  patch: dict[str, Any] | None = None) -> None:
     await engine.lease_call(lease["lease_id"], Op.STARTED, {})
     await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": output, "state_patch": patch})
 
 
 @asynccontextmanager
-async def writer_held(engine: Engine) -> AsyncIterator[anyio.abc.TaskGroup]:
+async def writer_held(engine: Daemon) -> AsyncIterator[anyio.abc.TaskGroup]:
     """Hold the storage writer thread for the block; yield a task group for work that writes.
 
     Every write submitted inside the block queues behind the held one and

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine
+from stepd.actors.daemon import Daemon
 from stepd.sansio.errors import Unprocessable
 
 from .helpers import run_worker, seq_definition
@@ -22,7 +22,7 @@ def add(lease):  # type: ignore[no-untyped-def]
 
 async def test_a_run_goes_end_to_end(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=1_700_000_000_000)
-    async with Engine.open(str(tmp_path / "data"), clock=clock) as engine:
+    async with Daemon.open(str(tmp_path / "data"), clock=clock) as engine:
         reg = await engine.register_worker(name="w", definitions=[seq_definition("seq", 5)])
         wid = reg["worker_id"]
         run_id, created = await engine.start_run("seq", None)
@@ -43,13 +43,13 @@ async def test_a_run_goes_end_to_end(tmp_path: Path) -> None:
 
 
 async def test_unknown_workflow_is_unprocessable(tmp_path: Path) -> None:
-    async with Engine.open(str(tmp_path / "data")) as engine:
+    async with Daemon.open(str(tmp_path / "data")) as engine:
         with pytest.raises(Unprocessable):
             await engine.start_run("nope", None)
 
 
 async def test_idempotency_key_returns_the_original_run(tmp_path: Path) -> None:
-    async with Engine.open(str(tmp_path / "data")) as engine:
+    async with Daemon.open(str(tmp_path / "data")) as engine:
         await engine.register_worker(definitions=[seq_definition("seq", 1)])
         a, created_a = await engine.start_run("seq", None, idempotency_key="k")
         b, created_b = await engine.start_run("seq", None, idempotency_key="k")

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.sansio.errors import Conflict, NotFound, Unavailable
 from stepd.sansio.lease import Op
 
@@ -33,9 +33,9 @@ FLOW = {
 async def test_killing_actors_under_load_loses_nothing(tmp_path: Path) -> None:
     rng = random.Random(7)
     clock = ManualClock(wall_ms=1_700_000_000_000)
-    config = EngineConfig(lease_ttl_ms=3_000, heartbeat_ms=1_000, recovery_window_ms=1_000)
+    config = DaemonConfig(lease_ttl_ms=3_000, heartbeat_ms=1_000, recovery_window_ms=1_000)
     kills: dict[str, int] = {}
-    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
         wid = (await engine.register_worker(name="w", definitions=[FLOW]))["worker_id"]
         runs = [(await engine.start_run("flow", i))[0] for i in range(N)]
 
@@ -54,14 +54,14 @@ async def test_killing_actors_under_load_loses_nothing(tmp_path: Path) -> None:
             while not finished():
                 await anyio.sleep(rng.uniform(0.002, 0.02))
                 tree = [n.statistics.path for n in engine.system.tree().walk()]
-                candidates = [p for p in tree if p.startswith(("/runs/", "/leases/"))]
+                candidates = [p for p in tree if p.startswith(("/runs/", "/leases/", "/sessions/"))]
                 if must and rng.random() < 0.3:
                     candidates = [must.pop(0)]
                     await anyio.sleep(0.05)
                 elif not candidates or rng.random() < 0.1:
                     # The daemon's own actors, less often: each such kill restarts
                     # everything after it (rest_for_one), within the root's intensity.
-                    candidates = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+                    candidates = ["/sessions", "/registry", "/runs", "/leases", "/timers", "/recovery"]
                     await anyio.sleep(0.05)
                 path = rng.choice(candidates)
                 try:
@@ -84,6 +84,7 @@ async def test_killing_actors_under_load_loses_nothing(tmp_path: Path) -> None:
                 try:
                     leases = await engine.claim(wid, max=batch)
                 except Unavailable:
+                    await anyio.sleep(0.003)  # a supervisor is restarting: retry shortly
                     continue
                 if not leases:
                     clock.advance(0.25)

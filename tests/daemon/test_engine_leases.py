@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.sansio.errors import AlreadyApplied, Fenced, NotFound, NotStarted, RunTerminal
 from stepd.sansio.lease import Op
 
@@ -30,11 +30,11 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-async def engine(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Engine]:
+async def engine(tmp_path: Path, clock: ManualClock) -> AsyncIterator[Daemon]:
     # These tests jump the clock by hours while their worker makes no call (a
     # real one long-polls all along): workers are never forgotten here.
-    config = EngineConfig(worker_expiry_ms=0)
-    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as e:
+    config = DaemonConfig(worker_expiry_ms=0)
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as e:
         yield e
 
 
@@ -42,11 +42,11 @@ def one(name: str = "one", **task: Any) -> dict[str, Any]:
     return {"name": name, "steps": [{"id": "t", "kind": "task", "body": "t", **task}]}
 
 
-async def worker(engine: Engine, *defs: dict[str, Any], name: str = "w") -> str:
+async def worker(engine: Daemon, *defs: dict[str, Any], name: str = "w") -> str:
     return str((await engine.register_worker(name=name, definitions=list(defs)))["worker_id"])
 
 
-def journal_types(engine: Engine, run_id: str) -> list[str]:
+def journal_types(engine: Daemon, run_id: str) -> list[str]:
     return [e["type"] for e in engine.journal(run_id)]
 
 
@@ -56,7 +56,7 @@ async def settle_time(clock: ManualClock, seconds: float) -> None:
     await anyio.sleep(0.03)
 
 
-async def test_a_heartbeat_inside_the_recovery_window_revives_the_lease(engine: Engine, clock: ManualClock) -> None:
+async def test_a_heartbeat_inside_the_recovery_window_revives_the_lease(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
     lease = await claim_one(engine, wid)
@@ -73,7 +73,7 @@ async def test_a_heartbeat_inside_the_recovery_window_revives_the_lease(engine: 
     assert "step_recovered" not in journal_types(engine, run_id)
 
 
-async def test_at_least_once_recovery_reoffers_a_new_attempt_and_fences_the_old(engine: Engine, clock: ManualClock) -> None:
+async def test_at_least_once_recovery_reoffers_a_new_attempt_and_fences_the_old(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
     old = await claim_one(engine, wid)
@@ -91,7 +91,7 @@ async def test_at_least_once_recovery_reoffers_a_new_attempt_and_fences_the_old(
     assert view["result"] == "fresh"
 
 
-async def test_at_least_once_with_no_attempts_left_fails_lease_lost(engine: Engine, clock: ManualClock) -> None:
+async def test_at_least_once_with_no_attempts_left_fails_lease_lost(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one(retry={"max_attempts": 1}))
     run_id, _ = await engine.start_run("one")
     await claim_one(engine, wid)
@@ -101,7 +101,7 @@ async def test_at_least_once_with_no_attempts_left_fails_lease_lost(engine: Engi
     assert view["error"]["reason"] == "lease_lost"
 
 
-async def test_at_most_once_started_is_never_rerun(engine: Engine, clock: ManualClock) -> None:
+async def test_at_most_once_started_is_never_rerun(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one(delivery="at_most_once", retry={"max_attempts": 5}))
     run_id, _ = await engine.start_run("one")
     lease = await claim_one(engine, wid)
@@ -113,7 +113,7 @@ async def test_at_most_once_started_is_never_rerun(engine: Engine, clock: Manual
     assert await engine.claim(wid, max=5) == []
 
 
-async def test_at_most_once_never_started_is_reoffered_same_attempt(engine: Engine, clock: ManualClock) -> None:
+async def test_at_most_once_never_started_is_reoffered_same_attempt(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one(delivery="at_most_once", retry={"max_attempts": 1}))
     run_id, _ = await engine.start_run("one")
     first = await claim_one(engine, wid)
@@ -125,7 +125,7 @@ async def test_at_most_once_never_started_is_reoffered_same_attempt(engine: Engi
         await engine.lease_call(first["lease_id"], Op.STARTED, {})
 
 
-async def test_the_four_rejections_and_their_precedence(engine: Engine) -> None:
+async def test_the_four_rejections_and_their_precedence(engine: Daemon) -> None:
     wid = await worker(engine, one(), one("amo", delivery="at_most_once"))
     # already_applied: a repeated complete
     run_id, _ = await engine.start_run("one")
@@ -150,7 +150,7 @@ async def test_the_four_rejections_and_their_precedence(engine: Engine) -> None:
         await engine.lease_call("l_unknown", Op.HEARTBEAT, {})
 
 
-async def test_unservable_goes_to_another_worker_and_never_back(engine: Engine) -> None:
+async def test_unservable_goes_to_another_worker_and_never_back(engine: Daemon) -> None:
     old = await worker(engine, one(), name="old")
     run_id, _ = await engine.start_run("one")
     lease = await claim_one(engine, old)
@@ -164,7 +164,7 @@ async def test_unservable_goes_to_another_worker_and_never_back(engine: Engine) 
     assert "step_unservable" in journal_types(engine, run_id)
 
 
-async def test_a_run_restricted_claim_takes_only_that_run(engine: Engine) -> None:
+async def test_a_run_restricted_claim_takes_only_that_run(engine: Daemon) -> None:
     wid = await worker(engine, one())
     a, _ = await engine.start_run("one")
     b, _ = await engine.start_run("one")
@@ -174,7 +174,7 @@ async def test_a_run_restricted_claim_takes_only_that_run(engine: Engine) -> Non
     assert lease["run_id"] == a
 
 
-async def test_a_waiting_claim_is_woken_by_a_new_run(engine: Engine) -> None:
+async def test_a_waiting_claim_is_woken_by_a_new_run(engine: Daemon) -> None:
     wid = await worker(engine, one())
     got: list[Any] = []
 
@@ -191,7 +191,7 @@ async def test_a_waiting_claim_is_woken_by_a_new_run(engine: Engine) -> None:
     assert len(got) == 1
 
 
-async def test_each_attempt_goes_to_exactly_one_of_four_racing_workers(engine: Engine) -> None:
+async def test_each_attempt_goes_to_exactly_one_of_four_racing_workers(engine: Daemon) -> None:
     defn = {"name": "fan", "steps": [{"id": "f", "kind": "for_each", "items": "${input}", "body": "b"}]}
     workers = [await worker(engine, defn, name=f"w{i}") for i in range(4)]
     runs = [(await engine.start_run("fan", list(range(25))))[0] for _ in range(4)]
@@ -219,13 +219,13 @@ async def test_each_attempt_goes_to_exactly_one_of_four_racing_workers(engine: E
 async def test_a_restart_keeps_live_leases_alive_for_a_full_ttl(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=T0)
     path = str(tmp_path / "data")
-    async with Engine.open(path, clock=clock) as engine:
+    async with Daemon.open(path, clock=clock) as engine:
         wid = await worker(engine, one())
         run_id, _ = await engine.start_run("one")
         lease = await claim_one(engine, wid)
         await engine.lease_call(lease["lease_id"], Op.STARTED, {})
     clock.advance(3600)  # the daemon was down for an hour
-    async with Engine.open(path, clock=clock) as engine:
+    async with Daemon.open(path, clock=clock) as engine:
         await settle_time(clock, 29.0)
         await engine.lease_call(lease["lease_id"], Op.HEARTBEAT, {})
         await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": "survived"})
@@ -234,7 +234,7 @@ async def test_a_restart_keeps_live_leases_alive_for_a_full_ttl(tmp_path: Path) 
         assert "step_orphaned" not in journal_types(engine, run_id)
 
 
-async def test_a_released_lease_is_queued_again_at_once_same_attempt(engine: Engine) -> None:
+async def test_a_released_lease_is_queued_again_at_once_same_attempt(engine: Daemon) -> None:
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
     first = await claim_one(engine, wid)
@@ -251,19 +251,19 @@ async def test_a_released_lease_is_queued_again_at_once_same_attempt(engine: Eng
     assert [e.get("released") for e in recovered] == [True]
 
 
-async def test_metrics_hooks_count_runs_and_sample_schedule_to_start(engine: Engine) -> None:
+async def test_metrics_hooks_count_runs_and_sample_schedule_to_start(engine: Daemon) -> None:
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
-    assert engine.status_counts.get("running") == 1
+    assert engine.stats.status_counts.get("running") == 1
     await finish(engine, await claim_one(engine, wid), 1)
-    await eventually(lambda: engine.status_counts.get("completed") == 1)
-    assert engine.status_counts.get("running") == 0
-    assert len(engine.schedule_to_start) == 1 and engine.schedule_to_start[0] >= 0
-    seen = [w["last_heartbeat_at"] for w in engine.workers()]
+    await eventually(lambda: engine.stats.status_counts.get("completed") == 1)
+    assert engine.stats.status_counts.get("running") == 0
+    assert len(engine.stats.schedule_to_start) == 1 and engine.stats.schedule_to_start[0] >= 0
+    seen = [w["last_heartbeat_at"] for w in await engine.workers()]
     assert seen == [T0]
 
 
-async def test_killing_a_lease_actor_does_not_extend_its_lease(engine: Engine, clock: ManualClock) -> None:
+async def test_killing_a_lease_actor_does_not_extend_its_lease(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one())
     run_id, _ = await engine.start_run("one")
     lease = await claim_one(engine, wid)
@@ -274,12 +274,12 @@ async def test_killing_a_lease_actor_does_not_extend_its_lease(engine: Engine, c
             break
         await engine.kill(f"/leases/{lease['lease_id']}")
         # Let the supervisor's restart finish before time moves on.
-        await eventually(lambda: engine.lease_actor_alive(lease["lease_id"]))
+        await eventually(lambda: engine.system.find(f"/leases/{lease['lease_id']}") is not None)
         await anyio.sleep(0.02)
     await eventually(lambda: "step_recovered" in journal_types(engine, run_id))
 
 
-async def test_a_lease_offered_just_before_its_supervisor_restarts_is_still_served(engine: Engine) -> None:
+async def test_a_lease_offered_just_before_its_supervisor_restarts_is_still_served(engine: Daemon) -> None:
     """A fresh-clone CI run failed a run with lease_lost in the kill test: its leases got 404.
 
     An offer is written behind. If the leases supervisor restarts before that

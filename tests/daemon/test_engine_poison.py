@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stepd.actors.daemon import Engine, EngineConfig, store
+from stepd.actors.daemon import Daemon, DaemonConfig, store
 from stepd.actors.daemon.run import MAX_CRASHES
 from stepd.sansio.errors import RunTerminal
 from stepd.sansio.lease import Op
@@ -30,7 +30,7 @@ FLOW = {"name": "flow", "steps": [{"id": "a", "kind": "task", "body": "a"},
 async def test_a_poison_transition_fails_the_run_with_reason_internal(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    async with Engine.open(str(tmp_path / "data"), config=EngineConfig()) as engine:
+    async with Daemon.open(str(tmp_path / "data"), config=DaemonConfig()) as engine:
         wid = (await engine.register_worker(definitions=[FLOW]))["worker_id"]
         run_id, _ = await engine.start_run("flow", None)
         lease = await claim_one(engine, wid)
@@ -58,7 +58,7 @@ async def test_a_poison_transition_fails_the_run_with_reason_internal(
 async def test_the_crash_count_survives_a_restart(tmp_path: Path) -> None:
     """Crashes before a daemon restart still count after it (the bound is durable)."""
     path = str(tmp_path / "data")
-    async with Engine.open(path) as engine:
+    async with Daemon.open(path) as engine:
         wid = (await engine.register_worker(definitions=[FLOW]))["worker_id"]
         run_id, _ = await engine.start_run("flow", None)
         lease = await claim_one(engine, wid)
@@ -67,7 +67,7 @@ async def test_the_crash_count_survives_a_restart(tmp_path: Path) -> None:
         for i in range(MAX_CRASHES):  # as if it had crashed this often before the restart
             await engine.storage.write(store.count_crash_txn, run_id, now - i, "Boom: earlier",
                                        10 * 60_000, 2 * MAX_CRASHES + 1)
-    async with Engine.open(path) as engine:
+    async with Daemon.open(path) as engine:
         # One more crash is enough now.
         with pytest.raises(RunTerminal):
             await engine.lease_call(lease["lease_id"], Op.COMPLETE, {"output": 2**70})

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.sansio.errors import Conflict
 from stepd.sansio.lease import Op
 
@@ -43,7 +43,7 @@ def expected(i: int) -> int:
     return i * i + (i + 1) ** 2 + (i + 2) ** 2
 
 
-async def drive(engine: Engine, clock: ManualClock, worker_id: str, until: Any,
+async def drive(engine: Daemon, clock: ManualClock, worker_id: str, until: Any,
                 done: list[int] | None = None) -> None:
     """Work as a worker would; move virtual time only when there is nothing to do.
 
@@ -76,9 +76,9 @@ async def drive(engine: Engine, clock: ManualClock, worker_id: str, until: Any,
 
 async def test_reopen_mid_flight_finishes_every_run_with_the_same_results(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=1_700_000_000_000)
-    config = EngineConfig(lease_ttl_ms=2_000, heartbeat_ms=500, recovery_window_ms=1_000)
+    config = DaemonConfig(lease_ttl_ms=2_000, heartbeat_ms=500, recovery_window_ms=1_000)
     path = str(tmp_path / "data")
-    async with Engine.open(path, clock=clock, config=config) as engine:
+    async with Daemon.open(path, clock=clock, config=config) as engine:
         reg = await engine.register_worker(name="w1", definitions=[MIXED])
         ids = [(await engine.start_run("mixed", i, idempotency_key=f"k{i}"))[0] for i in range(N)]
         # About half the work (500 steps in all), then stop.
@@ -88,7 +88,7 @@ async def test_reopen_mid_flight_finishes_every_run_with_the_same_results(tmp_pa
         leftover = await engine.claim(reg["worker_id"], max=5)  # held by nobody after the close
         assert len(leftover) <= 5
 
-    async with Engine.open(path, clock=clock, config=config) as engine:
+    async with Daemon.open(path, clock=clock, config=config) as engine:
         # The same keys give back the same runs: nothing was created twice.
         again = [(await engine.start_run("mixed", i, idempotency_key=f"k{i}")) for i in range(N)]
         assert [r for r, _ in again] == ids and not any(created for _, created in again)
@@ -112,7 +112,7 @@ async def test_reopen_mid_flight_finishes_every_run_with_the_same_results(tmp_pa
 
 async def test_the_same_workload_uninterrupted_gives_the_same_results(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=1_700_000_000_000)
-    async with Engine.open(str(tmp_path / "data"), clock=clock) as engine:
+    async with Daemon.open(str(tmp_path / "data"), clock=clock) as engine:
         reg = await engine.register_worker(name="w", definitions=[MIXED])
         ids = [(await engine.start_run("mixed", i))[0] for i in range(N)]
         await drive(engine, clock, reg["worker_id"],

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import stepd.storage._txn as txn_module
-from stepd.actors.daemon import Engine, listing, store, tables
+from stepd.actors.daemon import Daemon, listing, store, tables
 from stepd.sansio.errors import Invalid
 
 from .helpers import claim_one, finish
@@ -40,7 +40,7 @@ def decoded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 async def test_a_page_decodes_summaries_not_runs(tmp_path: Path, decoded: list[int]) -> None:
     big = "x" * 200_000
-    async with Engine.open(str(tmp_path / "data")) as engine:
+    async with Daemon.open(str(tmp_path / "data")) as engine:
         await engine.register_worker(definitions=[FLOW])
         for i in range(40):
             await engine.start_run("flow", {"blob": big, "i": i})
@@ -56,7 +56,7 @@ async def test_a_page_decodes_summaries_not_runs(tmp_path: Path, decoded: list[i
 
 
 async def test_filters_order_and_cursors(tmp_path: Path) -> None:
-    async with Engine.open(str(tmp_path / "data")) as engine:
+    async with Daemon.open(str(tmp_path / "data")) as engine:
         wid = (await engine.register_worker(definitions=[FLOW, OTHER]))["worker_id"]
         made: list[tuple[str, str]] = []
         for i in range(30):
@@ -111,7 +111,7 @@ async def test_filters_order_and_cursors(tmp_path: Path) -> None:
 
 async def test_a_page_examines_a_bounded_number_of_entries(tmp_path: Path) -> None:
     """A filter no index covers whole ends the page early, with a cursor; nothing is lost."""
-    async with Engine.open(str(tmp_path / "data")) as engine:
+    async with Daemon.open(str(tmp_path / "data")) as engine:
         await engine.register_worker(definitions=[FLOW])
         ids = [(await engine.start_run("flow", i, correlation="same"))[0]
                for i in range(listing.SCAN_BUDGET + 50)]
@@ -125,7 +125,7 @@ async def test_a_page_examines_a_bounded_number_of_entries(tmp_path: Path) -> No
 
 async def test_a_data_directory_from_before_the_indexes_is_indexed_at_open(tmp_path: Path) -> None:
     path = str(tmp_path / "data")
-    async with Engine.open(path) as engine:
+    async with Daemon.open(path) as engine:
         await engine.register_worker(definitions=[FLOW])
         ids = [(await engine.start_run("flow", i))[0] for i in range(25)]
         await engine.cancel(ids[3])
@@ -138,8 +138,8 @@ async def test_a_data_directory_from_before_the_indexes_is_indexed_at_open(tmp_p
                     txn.delete(table, key)
 
         await engine.storage.write(forget_txn)
-    async with Engine.open(path) as engine:
+    async with Daemon.open(path) as engine:
         page, _ = engine.list_runs(limit=100)
         assert [r["run_id"] for r in page] == ids[::-1]
         assert [r["run_id"] for r in engine.list_runs(status="cancelled")[0]] == [ids[3]]
-        assert engine.status_counts == {"running": 24, "cancelled": 1}
+        assert engine.stats.status_counts == {"running": 24, "cancelled": 1}

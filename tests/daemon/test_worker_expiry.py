@@ -9,15 +9,34 @@ and a worker that comes back registers anew.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Engine, EngineConfig
+from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.sansio.errors import NotFound
 
-from .helpers import claim_one, eventually, finish
+from .helpers import claim_one, finish
+
+
+class _Outbox:
+    """A push connection that takes whatever it is given (the session's `Outbox`)."""
+
+    def __init__(self) -> None:
+        self.leases: list[dict[str, Any]] = []
+
+    def lease(self, lease: dict[str, Any]) -> bool:
+        self.leases.append(lease)
+        return True
+
+    def cancel(self, lease_id: str, reason: str) -> None:
+        pass
+
+    def close(self, reason: str) -> None:
+        pass
+
 
 FLOW = {"name": "flow", "steps": [{"id": "a", "kind": "task", "body": "a"},
                                   {"id": "b", "kind": "task", "body": "b"}]}
@@ -27,8 +46,8 @@ async def test_idle_workers_are_forgotten_busy_ones_kept(tmp_path: Path) -> None
     clock = ManualClock(wall_ms=1_700_000_000_000)
     # Leases outlive the test's clock jumps (a holder that stops heartbeating
     # loses its lease, and then it is idle like any other).
-    config = EngineConfig(worker_expiry_ms=60_000, lease_ttl_ms=3_600_000)
-    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
+    config = DaemonConfig(worker_expiry_ms=60_000, lease_ttl_ms=3_600_000)
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
         idle = (await engine.register_worker(name="idle", definitions=[FLOW]))["worker_id"]
         holder = (await engine.register_worker(name="holder", definitions=[FLOW]))["worker_id"]
         pusher = (await engine.register_worker(name="pusher", definitions=[FLOW]))["worker_id"]
@@ -37,35 +56,38 @@ async def test_idle_workers_are_forgotten_busy_ones_kept(tmp_path: Path) -> None
         await finish(engine, await claim_one(engine, idle), "by idle")  # journaled as idle's
         held_run, _ = await engine.start_run("flow")
         await claim_one(engine, holder, run_id=held_run)  # a live lease, never completed
-        session = engine.push_session(pusher)
+        conn = await engine.attach(pusher, _Outbox())
         try:
             clock.advance(59)
             await anyio.sleep(0.01)
-            assert len(engine.workers()) == 23  # not yet
-            clock.advance(30)  # past the expiry, and past a sweep (every 15 s here)
+            assert len(await engine.workers()) == 23  # not yet
+            clock.advance(30)  # past the expiry of the idle ones
 
-            def listed() -> set[str]:
-                return {w["worker_id"] for w in engine.workers()}
+            async def listed() -> set[str]:
+                return {w["worker_id"] for w in await engine.workers()}
 
-            await eventually(lambda: len(listed()) == 2, what="the idle workers are forgotten")
-            assert listed() == {holder, pusher}
-            assert not set(many) & listed()
+            for _ in range(500):  # bounded: each session's own timer forgets its worker
+                if len(await listed()) == 2:
+                    break
+                await anyio.sleep(0.01)
+            assert await listed() == {holder, pusher}
+            assert not set(many) & await listed()
         finally:
-            session.close()
+            conn.detach()
         journal = engine.journal(done_run)
         assert idle in {e.get("worker_id") for e in journal}  # the journal keeps the id
         with pytest.raises(NotFound):
             await engine.claim(idle, max=1)
         back = (await engine.register_worker(name="idle", definitions=[FLOW]))["worker_id"]
         assert back != idle
-        assert back in {w["worker_id"] for w in engine.workers()}
+        assert back in {w["worker_id"] for w in await engine.workers()}
 
 
 async def test_zero_never_forgets(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=1_700_000_000_000)
-    config = EngineConfig(worker_expiry_ms=0)
-    async with Engine.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
+    config = DaemonConfig(worker_expiry_ms=0)
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as engine:
         wid = (await engine.register_worker(definitions=[FLOW]))["worker_id"]
         clock.advance(10 * 86_400)
-        assert await engine.expire_workers() == []
-        assert [w["worker_id"] for w in engine.workers()] == [wid]
+        await anyio.sleep(0.05)
+        assert [w["worker_id"] for w in await engine.workers()] == [wid]

@@ -77,8 +77,9 @@ class Script:
         self.journal.extend(tr.journal)
         return tr
 
-    def offer(self, step: str, item: int | None, lease: str, now: int) -> int:
-        tr = self.send(ev.AttemptOffered(step, item, lease, "w_1", "worker-1"), now)
+    def offer(self, step: str, item: int | None, lease: str, now: int,
+              worker: tuple[str, str] = ("w_1", "worker-1")) -> int:
+        tr = self.send(ev.AttemptOffered(step, item, lease, *worker), now)
         assert tr.lease is not None
         return int(tr.lease["fence"])
 
@@ -144,16 +145,17 @@ def retries() -> Script:
     s = Script("retries", [RETRIES], {"run_id": "r_golden2", "workflow": "flaky", "input": None, "now": 0})
     f = s.offer("fetch", None, "l1", 1)
     s.send(ev.AttemptUnservable("fetch", None, f, "w_1", "old build"), 2)
-    f = s.offer("fetch", None, "l2", 3)
+    w2 = ("w_2", "worker-2")  # the slot is never offered to w_1 again
+    f = s.offer("fetch", None, "l2", 3, worker=w2)
     s.send(ev.AttemptStarted("fetch", None, f), 4)
     s.send(ev.Tick(), 5_004)  # step timeout: fenced, retried after backoff
     s.send(ev.Tick(), 5_104)
-    f = s.offer("fetch", None, "l3", 5_105)
+    f = s.offer("fetch", None, "l3", 5_105, worker=w2)
     s.send(ev.AttemptOrphaned("fetch", None, f), 35_105)
     s.send(ev.AttemptRevived("fetch", None, f), 36_000)
     s.send(ev.AttemptFailed("fetch", None, f, "rate_limited", "429"), 36_001)
     s.send(ev.Tick(), 36_201)
-    f = s.offer("fetch", None, "l4", 36_202)
+    f = s.offer("fetch", None, "l4", 36_202, worker=w2)
     s.send(ev.AttemptCompleted("fetch", None, f, {"_next_step": "loop"}), 36_300)
     for n in range(4):
         f = s.offer("loop", None, f"l_loop{n}", 36_400 + n)

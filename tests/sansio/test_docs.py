@@ -12,7 +12,7 @@ from pathlib import Path
 from stepd.sansio.run import mermaid
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-machine.md"
-BLOCK = re.compile(r"```mermaid\n(.*?)```", re.S)
+BLOCK = re.compile(r"```mermaid\n(.*?)```", re.DOTALL)
 
 
 def test_the_diagram_in_the_docs_is_generated_from_the_table() -> None:

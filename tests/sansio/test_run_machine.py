@@ -317,6 +317,19 @@ def test_unservable_requeues_without_spending_an_attempt_and_excludes_the_worker
     assert m.status is RunStatus.RUNNING
 
 
+def test_a_worker_that_answered_unservable_is_never_offered_the_slot_again() -> None:
+    # A session may still hold a copy of the slot from before the unservable
+    # answer; the run refuses the offer, it does not trust the copy.
+    m, _ = start(defn([task("a")]))
+    _, fence = Driver(m).offer("a", worker="w_old")
+    m.handle(AttemptUnservable("a", None, fence, "w_old", "no such body"), 0)
+    before = m.record.to_dict()
+    with pytest.raises(Fenced, match="unservable"):
+        m.handle(AttemptOffered("a", None, "l_again", "w_old"), 1)
+    assert m.record.to_dict() == before
+    assert m.handle(AttemptOffered("a", None, "l_other", "w_new"), 1).lease is not None
+
+
 # --------------------------------------------------------------------------- fences
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from stepd.sansio.events import AttemptSpec
 from stepd.sansio.session import (
     Answer,
+    ClaimReady,
     Expire,
     Offer,
     PushCancel,
@@ -95,8 +96,9 @@ def test_a_claim_is_answered_when_its_offers_are_done() -> None:
     assert m.slot(a, 1, 1) == [Offer(a, 1)]
     assert m.slot(b, 1, 1) == [Offer(b, 1)]
     assert m.offered(a, lease("l_a"), 2) == []  # b is still being offered
-    assert m.offered(b, None, 2) == [Unsubscribe(1), Answer(1, (lease("l_a"),))]
-    assert m.claims == {}
+    assert m.offered(b, None, 2) == [ClaimReady(1)]
+    assert m.answer(1) == [Unsubscribe(1), Answer(1, (lease("l_a"),))]
+    assert m.claims == {} and m.answer(1) == []
 
 
 def test_a_claim_whose_slots_all_moved_on_waits_on() -> None:
@@ -131,7 +133,8 @@ def test_an_idle_worker_expires_a_busy_one_does_not() -> None:
     holder.claim(1, 1, None, 10, 0)
     s = spec()
     holder.slot(s, 1, 1)
-    holder.offered(s, lease("l_1"), 2)  # answered: the claim is gone, the lease held
+    holder.offered(s, lease("l_1"), 2)
+    holder.answer(1)  # answered: the claim is gone, the lease held
     assert holder.tick(5_000) == []
     holder.lease_ended("l_1", None, 6_000)
     assert holder.next_deadline() == 7_000

@@ -81,14 +81,14 @@ class NetDaemon:
 
 @contextlib.contextmanager
 def _net_daemon(data: Path, **timings: int) -> Iterator[NetDaemon]:
-    from stepd.daemon import Daemon, ServeConfig
+    from stepd.daemon import ServeConfig, Server
 
     prices = data.parent / f"{data.name}.prices.toml"
     data.parent.mkdir(parents=True, exist_ok=True)
     prices.write_text(PRICES_TOML)
     config = ServeConfig(data=str(data), port=0, max_request_ms=2000, prices=str(prices),
                          shutdown_grace_ms=2000, **timings)
-    daemon = Daemon(config, announce=lambda line: None)
+    daemon = Server(config, announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
         try:
@@ -318,14 +318,14 @@ KEYS = {
 @pytest.fixture(scope="session")
 def auth_net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetDaemon]:
     """A network daemon with keys per scope: worker; execute (which may also read); read."""
-    from stepd.daemon import Daemon, ServeConfig
+    from stepd.daemon import ServeConfig, Server
 
     config = ServeConfig(data=str(tmp_path_factory.mktemp("auth") / "data"), port=0,
                          max_request_ms=2000, worker_keys=(KEYS["worker"],),
                          execute_keys=(KEYS["execute"],),
                          read_keys=(KEYS["read"], KEYS["execute"]),
                          shutdown_grace_ms=2000)
-    daemon = Daemon(config, announce=lambda line: None)
+    daemon = Server(config, announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
         try:

@@ -12,8 +12,8 @@ import anyio.lowlevel
 import pytest
 
 import stepd
-import stepd.client
-import stepd.worker
+import stepd.channels.http
+import stepd.channels.websocket
 from stepd._http1 import Http1Client, wants_httpx
 
 from .conftest import NetDaemon, unique
@@ -57,20 +57,24 @@ async def test_embedded_async_form(tmp_path: Path) -> None:
         assert worker.running == 0
 
 
-@pytest.mark.parametrize("transport", ["auto", "http", "http-httpx"])
+@pytest.mark.parametrize("transport", ["auto", "websocket-library", "http", "http-httpx"])
 async def test_network_worker_and_async_client(net: NetDaemon, transport: str,
                                                anyio_backend: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """``http-httpx``: the worker and the client through httpx, as for https or a proxy."""
+    """``http-httpx``: the worker and the client through httpx, as for https or a proxy;
+    ``websocket-library``: the worker's WebSocket through the websockets library (as for
+    wss:// or a proxy) rather than the lean client (stepd.channels._wsproto)."""
     name = unique("net-async")
     if transport == "http-httpx":
-        monkeypatch.setattr(stepd.client, "wants_httpx", lambda url, trust_env: True)
-        monkeypatch.setattr(stepd.worker, "wants_httpx", lambda url, trust_env: True)
+        monkeypatch.setattr(stepd.channels.http, "wants_httpx", lambda url, trust_env: True)
         transport = "http"
+    if transport == "websocket-library":
+        monkeypatch.setattr(stepd.channels.websocket, "LEAN", False)
+        transport = "auto"
     async with stepd.AsyncClient(net.url, trust_env=False) as client:
         worker = stepd.Worker(client, transport=transport).register(pipeline(name))
         lean = client._backend.lean is not None  # type: ignore[attr-defined]
-        assert lean is (stepd.client.wants_httpx is wants_httpx)
+        assert lean is (stepd.channels.http.wants_httpx is wants_httpx)
         async with anyio.create_task_group() as tg:
             await tg.start(worker.run)
             assert isinstance(worker._http, Http1Client) is lean

@@ -171,7 +171,7 @@ async def test_no_answer_in_time_is_an_error_and_the_connection_is_dropped(
         http = client(server)
         with pytest.raises(Http1Error, match="within 0.1 s"):
             await http.request("GET", "/slow", timeout=0.1)
-        assert http._idle == []
+        assert http._idle == [] and http._aio_idle == []
         await http.aclose()
 
 

@@ -326,7 +326,7 @@ class InProcDaemon:
     """A daemon running in this process, on its own event loop in a thread."""
 
     url: str
-    daemon: Any  # stepd.daemon.Daemon
+    daemon: Any  # stepd.daemon.Server
     portal: Any  # anyio.from_thread.BlockingPortal
 
     def client(self, key: str | None = None) -> httpx.Client:
@@ -340,11 +340,11 @@ class InProcDaemon:
 
 @pytest.fixture(scope="module")
 def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDaemon]:
-    from stepd.daemon import Daemon, ServeConfig
+    from stepd.daemon import ServeConfig, Server
 
     config = ServeConfig(data=str(tmp_path_factory.mktemp("inproc") / "data"), port=0,
                          max_request_ms=2000)
-    daemon = Daemon(config, announce=lambda line: None)
+    daemon = Server(config, announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
         try:

@@ -8,9 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from stepd.sansio.errors import Invalid
-from stepd.storage import Storage, WriteTxn, parse_u64be
-from stepd.transport.audit import (
+from stepd.actors.daemon.audit import (
     AUDIT_TABLE,
     AuditAction,
     AuditEntry,
@@ -19,6 +17,8 @@ from stepd.transport.audit import (
     audit_key,
     parse_cursor,
 )
+from stepd.sansio.errors import Invalid
+from stepd.storage import Storage, WriteTxn, parse_u64be
 from stepd.transport.auth import KeyRing, Need, Scope
 
 

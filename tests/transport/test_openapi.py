@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from stepd.actors.daemon.audit import AuditAction, AuditEntry
 from stepd.sansio.definition import (
     BUDGET_NAMES,
     STEP_TYPES,
@@ -35,11 +36,10 @@ from stepd.sansio.lease import REASONS
 from stepd.sansio.run import RunMachine
 from stepd.sansio.status import ErrorReason, RunStatus
 from stepd.transport import openapi
-from stepd.transport.audit import AuditAction, AuditEntry
 from stepd.transport.auth import Need, Scope
 from stepd.transport.openapi import load_openapi
 
-GOLDEN = Path(__file__).resolve().parents[1] / "engine" / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "sansio" / "golden"
 METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
 
 # Every HTTP endpoint of PROTOCOL.md: (method, path) -> need (None: no auth).
@@ -287,7 +287,7 @@ def golden() -> list[dict[str, Any]]:
 
 def test_golden_runs_validate(validate: Any) -> None:
     runs = golden()
-    assert runs, "the engine's golden journals are the fixtures"
+    assert runs, "the run machine's golden journals are the fixtures"
     for run in runs:
         for raw in run["definitions"]:
             assert validate("Definition", raw) == []

@@ -120,7 +120,7 @@ def test_a_claim_abandoned_by_its_client_leaves_no_waiter_and_loses_no_slot(
     with inproc.client() as http:
         wid = http.post("/v1/api/workers/register",
                         json={"definitions": [task_def(name, "a")]}).json()["worker_id"]
-        engine = inproc.daemon.engine
+        engine = inproc.daemon.daemon
         for _ in range(3):
             with inproc.client() as impatient, pytest.raises(httpx.ReadTimeout):
                 impatient.post("/v1/api/steps/claim", json={"worker_id": wid, "wait_ms": 10_000},
@@ -135,9 +135,9 @@ def test_a_claim_abandoned_by_its_client_leaves_no_waiter_and_loses_no_slot(
 
 
 def test_the_drain_refuses_new_calls_with_503(tmp_path: Path) -> None:
-    from stepd.daemon import Daemon, ServeConfig
+    from stepd.daemon import ServeConfig, Server
 
-    daemon = Daemon(ServeConfig(data=str(tmp_path / "data"), port=0, max_request_ms=5000),
+    daemon = Server(ServeConfig(data=str(tmp_path / "data"), port=0, max_request_ms=5000),
                     announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
@@ -168,12 +168,11 @@ def test_the_drain_refuses_new_calls_with_503(tmp_path: Path) -> None:
 
 async def test_the_protocol_runs_on_either_backend(tmp_path: Path) -> None:
     """Protocol and InProcess use anyio only: the embedded daemon may run on asyncio or trio."""
-    from stepd.actors.daemon import Engine
-    from stepd.transport.audit import AuditLog
+    from stepd.actors.daemon import Daemon
     from stepd.transport.protocol import Protocol
 
-    async with Engine.open(str(tmp_path / "data")) as engine:
-        protocol = Protocol(engine, audit=AuditLog(engine.storage))
+    async with Daemon.open(str(tmp_path / "data")) as engine:
+        protocol = Protocol(engine)
         client = InProcess(protocol)
         name = unique()
         wid = (await client.register({"definitions": [task_def(name, "a")]}))["worker_id"]
@@ -198,7 +197,7 @@ def test_a_start_and_its_audit_entry_commit_together(inproc: InProcDaemon) -> No
     """
     name = unique()
     _in(inproc, lambda c: c.register({"definitions": [task_def(name, "a")]}))
-    storage = inproc.daemon.engine.storage
+    storage = inproc.daemon.daemon.storage
     key = f"{name}:once"
 
     async def start_counting() -> tuple[dict[str, Any], int]:
@@ -240,7 +239,7 @@ def test_a_signal_and_a_cancel_commit_with_their_audit_entries(inproc: InProcDae
         "steps": [{"id": "w", "kind": "wait", "event": "go", "into": "go"},
                   {"id": "w2", "kind": "wait", "event": "again", "into": "again"}]}]}))
     run_id = _in(inproc, lambda c: c.start_run({"workflow": name, "input": None}))["run_id"]
-    storage = inproc.daemon.engine.storage
+    storage = inproc.daemon.daemon.storage
 
     def counted(fn: Callable[[InProcess], Awaitable[Any]]) -> int:
         async def go() -> int:

@@ -40,7 +40,7 @@ from .conftest import (
 def test_a_slow_complete_does_not_hold_up_other_frames(inproc: InProcDaemon) -> None:
     from websockets.sync.client import connect
 
-    engine = inproc.daemon.engine
+    engine = inproc.daemon.daemon
     original = engine.lease_call
 
     async def slow(lease_id: str, op: Op, body: Any = None, *, caller: str | None = None) -> Any:

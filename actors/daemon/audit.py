@@ -36,6 +36,8 @@ from stepd.sansio.enums import IdentityEnum
 from stepd.sansio.errors import Invalid
 from stepd.storage import ReadTxn, WriteTxn, parse_u64be, u64be
 
+from . import tables
+
 __all__ = [
     "AUDIT_TABLE",
     "DEFAULT_PAGE_LIMIT",
@@ -48,7 +50,7 @@ __all__ = [
     "parse_cursor",
 ]
 
-AUDIT_TABLE: Final = "audit"
+AUDIT_TABLE: Final = tables.AUDIT
 DEFAULT_PAGE_LIMIT: Final = 100
 MAX_PAGE_LIMIT: Final = 1000
 
@@ -276,6 +278,14 @@ class AuditLog:
             deferred(append_txn, entry, seq)
             return
         await self._storage.write(append_txn, entry, seq)
+
+    async def append(self, entry: AuditEntry) -> None:
+        """Store ``entry`` and return once it is committed (a mutation's own entry, e.g. a kill).
+
+        Raises:
+            StorageClosed: the storage is closed.
+        """
+        await self._storage.write(append_txn, entry, self.next_seq())
 
     def page(
         self, limit: int = DEFAULT_PAGE_LIMIT, before: str | None = None

@@ -1,0 +1,229 @@
+"""The daemon API, run side: start, status, journal, export, list, result, signal, cancel
+(see `api`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from stepd.actors import (
+    ActorDead,
+)
+from stepd.sansio.errors import Invalid, NotFound, Unavailable, Unprocessable
+from stepd.sansio.events import StartChildren
+from stepd.sansio.record import RunRecord
+from stepd.sansio.run import RunMachine
+
+from . import audit as _audit
+from . import ids, listing, peers, store
+from ._api_base import ApiBase
+from .messages import (
+    CancelRun,
+    Signal,
+)
+from .run import child_writes, walk_writes
+
+__all__ = ["RunOps"]
+
+_TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
+
+
+class RunOps(ApiBase):
+    """`Daemon`'s run operations."""
+
+    # ------------------------------------------------------------------ runs
+
+    async def start_run(
+        self,
+        workflow: str,
+        input: Any = None,
+        *,
+        version: str | None = None,
+        correlation: Any = None,
+        idempotency_key: str | None = None,
+        deadline_ms: int | None = None,
+        audit: _audit.AuditEntry | None = None,
+    ) -> tuple[str, bool]:
+        """Start a run, or return the run an idempotency key already started.
+
+        `audit`, when given, is written in the start's own transaction with the
+        run as its target (201, or 200 for a key used before): it exists if and
+        only if the start does. A refusal writes nothing.
+
+        Returns:
+            (run id, created): created is False when `idempotency_key` was used before.
+
+        Raises:
+            Invalid: a field is malformed (naming it).
+            Unprocessable: no registered workflow of that name (and version).
+            Unavailable: the daemon is shutting down.
+        """
+        if not isinstance(workflow, str) or not workflow:
+            raise Invalid("must be a non-empty string", field="workflow")
+        if version is not None and not isinstance(version, str):
+            raise Invalid("must be a string", field="version")
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not idempotency_key
+            or len(idempotency_key.encode()) > 400
+        ):
+            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
+        if not self.services.serving:
+            raise Unavailable("the daemon is shutting down")
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        if idempotency_key is not None:
+            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
+            if isinstance(taken, dict):
+                existing = str(taken["run_id"])
+                if entry is not None:
+                    await self.storage.write(store.audit_only_txn, entry, existing, 200)
+                return existing, False
+        definition = self.catalog.resolve(workflow, version)
+        if definition is None:
+            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+            raise Unprocessable(f"{what} is not registered")
+        s = self.services
+        now = self.clock.time_ms()
+        run_id = ids.run_id(now)
+        machine, tr = RunMachine.start(
+            run_id=run_id, definition=definition, input=input, now_ms=now,
+            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
+            resolve=self.catalog.resolve, max_depth=self.config.max_child_depth,
+        )
+        w = store.RunWrite(
+            run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
+            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
+            dispatch_key=idempotency_key,
+            children=[cw for e in tr.effects if isinstance(e, StartChildren)
+                      for cw in child_writes(s, e, now)],
+            audit=entry,
+        )
+        existing = await self.storage.write(store.apply_txn, w)
+        if existing is not None:
+            return existing, False
+        s.stats.runs_started += 1
+        for created in walk_writes([w]):
+            s.stats.status_moved(None, created.record["status"])
+        if w.due_new is not None:
+            await peers.timers_changed(s, w.due_new)
+        try:
+            await peers.activate_run(s, run_id, (machine, tr))
+        except ActorDead:
+            # Committed, but a supervisor it needs is restarting: start it from
+            # the record instead once that is back.
+            await peers.wake_run(s, run_id, None)
+        for child in walk_writes(w.children):
+            await peers.wake_run(s, child.run_id, None)
+        return run_id, True
+
+    def _record(self, run_id: str) -> dict[str, Any]:
+        raw = self.storage.read(store.load_run_txn, run_id)
+        if raw is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return raw
+
+    def _machine(self, raw: dict[str, Any]) -> RunMachine:
+        record = RunRecord.from_dict(raw)
+        definition = self.catalog.by_hash(record.definition_hash)
+        if definition is None:
+            raise NotFound(f"definition {record.definition_hash} of run {record.run_id} not found")
+        return RunMachine(record, definition, self.catalog.resolve,
+                          max_depth=self.config.max_child_depth)
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        """The run status (WORKFLOWS.md "Run status"), as last committed.
+
+        Raises:
+            NotFound: no such run.
+        """
+        return self._machine(self._record(run_id)).status_view()
+
+    def journal(self, run_id: str, *, after_seq: int = 0,
+                limit: int | None = None) -> list[dict[str, Any]]:
+        self._record(run_id)
+        return [dict(v) for _, v in self.storage.journal(  # type: ignore[call-overload]
+            run_id, after_seq=after_seq, limit=limit)]
+
+    def export(self, run_id: str) -> dict[str, Any]:
+        """Definition, version, hash, idempotency key, budget, state, journal and spans."""
+        m = self._machine(self._record(run_id))
+        journal = self.journal(run_id)
+        view = m.status_view()
+        spans = [
+            {"step_id": e.get("step_id"), "item_index": e.get("item_index"),
+             "lease_id": e.get("lease_id"), **span}
+            for e in journal if e["type"] == "step_completed" for span in e.get("spans") or ()
+        ]
+        return {
+            "run_id": run_id, "workflow": view["workflow"], "definition": m.definition.to_json(),
+            "definition_version": view["definition_version"],
+            "definition_hash": view["definition_hash"],
+            "idempotency_key": view["idempotency_key"], "budget": view["budget"],
+            "usage": view["usage"], "status": view, "state": view["state"],
+            "journal": journal, "spans": spans,
+        }
+
+    def list_runs(self, query: listing.Query | None = None, /,
+                  **filters: Any) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of run summaries (newest first by default) and the next page's cursor.
+
+        Costs O(limit): an index leads to the runs, and only their small
+        summaries are decoded (`listing`). Pass a `listing.Query`, or its fields
+        as keywords (``workflow=``, ``status=``, ``limit=``...).
+
+        Raises:
+            Invalid: the limit is out of range, or the cursor is not one of this query's.
+        """
+        if query is None:
+            query = listing.Query(**filters)
+        limit = query.limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise Invalid("must be an integer from 1 to 1000", field="limit")
+        page, cursor = self.storage.read(listing.list_txn, query)
+        return [{
+            "run_id": s["run_id"], "workflow": s["workflow"], "status": s["status"],
+            "definition_version": s["version"], "definition_hash": s["hash"],
+            "idempotency_key": s["idempotency_key"], "created_at": s["created_at"],
+            "updated_at": s["updated_at"], "parent_run_id": s["parent_run_id"],
+        } for s in page], cursor
+
+    async def result(self, run_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
+        """Wait until the run is terminal (at most `wait_ms`), then return its status."""
+        view = self.status(run_id)
+        if view["status"] in _TERMINAL or wait_ms <= 0:
+            return view
+        watch = self.services.watch
+        waiter = watch.waiter(run_id)
+        try:
+            view = self.status(run_id)  # it may have ended between the read and the waiter
+            if view["status"] in _TERMINAL:
+                return view
+            with anyio.move_on_after(min(wait_ms, self.config.max_request_ms) / 1000):
+                await waiter.wait()
+        finally:
+            watch.forget(run_id, waiter)
+        return self.status(run_id)
+
+    async def signal(self, run_id: str, name: str, payload: Any = None, *,
+                     audit: _audit.AuditEntry | None = None) -> None:
+        """Send a signal; `audit` is written in its transaction (none for a refusal).
+
+        Raises:
+            SignalRefused: 409 budget_exceeded. RunTerminal, NotFound, Invalid.
+        """
+        if not isinstance(name, str) or not name:
+            raise Invalid("must be a non-empty string", field="name")
+        self._record(run_id)
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        await peers.ask_run(self.services, run_id, Signal(name, payload, entry))
+
+    async def cancel(self, run_id: str, message: str = "cancelled", *,
+                     audit: _audit.AuditEntry | None = None) -> None:
+        """Cancel a run; `audit` is written in its transaction.
+
+        Raises:
+            RunTerminal: already over. NotFound.
+        """
+        self._record(run_id)
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        await peers.ask_run(self.services, run_id, CancelRun(message, entry))

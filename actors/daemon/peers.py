@@ -1,0 +1,232 @@
+"""How the daemon's actors reach each other: by path, through the actor system, by message.
+
+Every function takes the `Services` the caller stands on. Nothing here holds
+state or calls up into the API: a run tells the registry its runnable slots,
+a lease asks its run to apply a call, a session asks a run for an offer.
+Asks only go run-ward (leases, sessions, recovery and the API ask runs; runs
+ask nobody), so no cycle of asks can deadlock.
+
+The run and lease actors' child specs come from `Services.run_spec` and
+`Services.lease_spec`, set where the tree is built (`tree`), so this module
+imports no actor class and no actor module imports another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from stepd.actors import ActorDead, ActorNotFound, ActorRef, ChildExists, StartFailed
+from stepd.sansio.errors import Fenced, NotFound, Unavailable
+
+from .messages import Announce, EndLease, ReturnSpecs, TimerIndexChanged, WithdrawSlots
+from .services import Services
+
+__all__ = [
+    "RETRIES",
+    "activate_run",
+    "active_runs",
+    "announce",
+    "ask_run",
+    "end_lease",
+    "ensure_session",
+    "lease_alive",
+    "registry",
+    "start_lease",
+    "supervisors_alive",
+    "tell",
+    "tell_ref",
+    "timers_changed",
+    "wake_run",
+    "withdraw",
+]
+
+#: How many times a call retries a run actor that died under it (it is being
+#: restarted by its supervisor, or a passivating run stopped at that moment).
+RETRIES = 50
+
+_GONE = (ActorDead, ActorNotFound, anyio.WouldBlock)
+
+
+def tell(s: Services, path: str, message: Any) -> bool:
+    """Tell the actor at `path` without waiting; False when it is not there or busy.
+
+    For messages whose loss its receiver recovers from by itself (a
+    restarting registry reloads, a restarted lease actor reads its record).
+    """
+    try:
+        s.system.resolve(path).tell_nowait(message)
+        return True
+    except _GONE:
+        return False
+
+
+def tell_ref(ref: ActorRef, message: Any) -> bool:
+    """`tell` through a ref already resolved."""
+    try:
+        ref.tell_nowait(message)
+        return True
+    except _GONE:
+        return False
+
+
+async def ensure_session(s: Services, worker_id: str) -> ActorRef:
+    """The worker's session actor, started if it has none.
+
+    Raises:
+        ActorDead: the sessions supervisor is restarting.
+    """
+    path = f"/sessions/{worker_id}"
+    ref = s.system.find(path)
+    if ref is not None and ref.alive:
+        return ref
+    try:
+        return await s.system.supervisor("/sessions").start_child(s.session_spec(worker_id))
+    except ChildExists:
+        return s.system.resolve(path)
+    except StartFailed as exc:
+        if isinstance(exc.__cause__, LookupError):
+            raise NotFound(f"worker {worker_id!r} is not registered") from exc
+        raise ActorDead(path, exc.__cause__) from exc
+
+
+def registry(s: Services) -> ActorRef:
+    return s.system.resolve("/registry")
+
+
+def announce(s: Services, specs: tuple[Any, ...], *, front: bool = False) -> None:
+    """Queue runnable slots at the registry (`front`: ahead, they were taken back)."""
+    if specs:
+        # A restarting registry loses nothing: recovery re-announces every queued slot.
+        tell(s, "/registry", ReturnSpecs(specs) if front else Announce(specs))
+
+
+def withdraw(s: Services, run_id: str, slots: tuple[tuple[str, int | None], ...] | None) -> None:
+    tell(s, "/registry", WithdrawSlots(run_id, slots))  # an offer of a withdrawn slot fails
+
+
+def end_lease(s: Services, lease_id: str, reason: str) -> None:
+    tell(s, f"/leases/{lease_id}", EndLease(reason))  # its record says so; a restart reads it
+
+
+def lease_alive(s: Services, lease_id: str) -> bool:
+    ref = s.system.find(f"/leases/{lease_id}")
+    return ref is not None and bool(ref.alive)
+
+
+def start_lease(s: Services, record: Any, *, fresh: bool = True) -> None:
+    """Start the actor of a lease: `fresh` for a new offer, else rebuilt from storage."""
+    try:
+        # A new lease's actor is handed its record: its on_start loads nothing,
+        # so nobody waits for the startup handshake.
+        s.system.supervisor("/leases").start_child_nowait(s.lease_spec(record, fresh))
+    except ChildExists:
+        pass
+    except (ActorDead, ActorNotFound):
+        # /leases is restarting (a /leases or /registry kill): recovery runs after
+        # it comes back and resyncs every active run, which starts the actors of
+        # their live leases. Crashing the run here instead made it fail its
+        # restarts in a tight loop until /runs escalated.
+        pass
+
+
+async def timers_changed(s: Services, due_ms: int) -> None:
+    """A passivated run's deadline is on record: the timer actor may need to wake sooner.
+
+    Only once it is committed: a sweep between the tell and the commit would
+    not see the entry and would sleep past it. A restarting timer actor rescans
+    the table when it starts, so a tell lost to it costs nothing.
+    """
+    try:
+        ref = s.system.resolve("/timers")
+        try:
+            ref.tell_nowait(TimerIndexChanged(due_ms))
+        except anyio.WouldBlock:
+            await ref.tell(TimerIndexChanged(due_ms))
+    except (ActorDead, ActorNotFound):
+        pass
+
+
+async def activate_run(s: Services, run_id: str, initial: Any = None, *,
+                       expect_message: bool = False) -> ActorRef:
+    """The run's actor, started if it is not running (from its record, or `initial`).
+
+    Raises:
+        NotFound: no such run.
+        ActorDead: a supervisor it needs is restarting (callers retry).
+    """
+    path = f"/runs/{run_id}"
+    ref = s.system.find(path)
+    if ref is not None and ref.alive:
+        return ref
+    try:
+        return await s.system.supervisor("/runs").start_child(
+            s.run_spec(run_id, initial, expect_message))
+    except ChildExists:
+        return s.system.resolve(path)
+    except StartFailed as exc:
+        if isinstance(exc.__cause__, LookupError):
+            raise NotFound(f"run {run_id!r} not found") from exc
+        # Anything else is its start cut short (a /runs kill, a sibling that is
+        # restarting): the callers retry, a bounded number of times. A run whose
+        # start fails for its own reasons is bounded by its durable crash count.
+        raise ActorDead(path, exc.__cause__) from exc
+
+
+async def wake_run(s: Services, run_id: str, message: Any = None, *,
+                   retries: int = RETRIES) -> None:
+    """Make sure the run has an actor; then tell it `message` (if any).
+
+    Raises:
+        Unavailable: its actor did not come up within the retries.
+    """
+    for attempt in range(retries):
+        try:
+            ref = await activate_run(s, run_id, expect_message=message is not None)
+            if message is None:
+                return
+            try:
+                ref.tell_nowait(message)
+            except anyio.WouldBlock:
+                await ref.tell(message)
+            return
+        except ActorDead:  # the run actor, or the runs supervisor, is restarting
+            await anyio.sleep(0.001 * attempt)
+    raise Unavailable(f"run {run_id} did not come up to take {type(message).__name__}")
+
+
+async def ask_run(s: Services, run_id: str, message: Any, *, quiet: bool = False) -> Any:
+    """Ask the run's actor (activating a passivated run), retrying across restarts.
+
+    Raises:
+        Unavailable: its actor did not come up within the retries.
+        Fenced: unless `quiet` (then None).
+        StepdError: the run's refusal.
+    """
+    for attempt in range(RETRIES):
+        try:
+            ref = await activate_run(s, run_id, expect_message=True)
+            return await ref.ask(message)
+        except ActorDead:  # the run actor, or the runs supervisor, is restarting
+            await anyio.sleep(0.001 * attempt)
+        except Fenced:
+            if quiet:
+                return None
+            raise
+    raise Unavailable(f"run {run_id} did not come up to take {type(message).__name__}")
+
+
+def active_runs(s: Services) -> int:
+    """How many run actors are alive (passivated runs have none)."""
+    try:
+        return s.system.supervisor("/runs").count_children()
+    except (ActorNotFound, ActorDead):
+        return 0
+
+
+def supervisors_alive(s: Services) -> bool:
+    try:
+        return bool(s.system.resolve("/runs").alive and s.system.resolve("/leases").alive)
+    except ActorNotFound:
+        return False

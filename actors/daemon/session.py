@@ -1,0 +1,253 @@
+"""The worker session actor: one registered worker's connection to the daemon, a shell over
+`stepd.sansio.session.SessionMachine`.
+
+One per registered worker (``/sessions/<worker_id>``, under the sessions
+supervisor), whether it connects by WebSocket (or the in-process adapter)
+or claims over HTTP. It owns what used to be spread between the engine's
+push sessions, the registry's waiters and the WebSocket connection: the push
+connection's credit, the HTTP claims waiting, the slots it was handed and is
+turning into leases (`Offer`, asked of the slot's run), the leases its worker
+holds (so a lease ended early reaches the worker as a ``cancel``), and the
+worker's liveness: idle past ``worker_expiry_ms`` (no connection, no claim, no
+lease) it forgets the worker and stops.
+
+What it knows is not durable: a killed or crashed session cannot rebuild a
+connection, so its next incarnation closes the connection it had (the worker
+reconnects and registers again, keeping its leases: a lease belongs to the
+worker) and ends the claims that waited (empty: the worker claims again).
+The `SessionMemo` its child spec holds carries just that across incarnations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from stepd.actors import Actor
+from stepd.sansio.errors import Unavailable
+from stepd.sansio.session import (
+    Answer,
+    ClaimReady,
+    Expire,
+    Offer,
+    PushCancel,
+    PushLease,
+    Release,
+    Return,
+    SessionMachine,
+    Subscribe,
+    Unsubscribe,
+)
+
+from . import peers, store
+from .messages import (
+    AbandonClaim,
+    Attach,
+    ClaimSlots,
+    Detach,
+    Due,
+    ForgetWorkers,
+    Grant,
+    LeaseEnded,
+    ReleaseLease,
+    Resubscribe,
+    ResyncAll,
+    ReturnSpecs,
+    SessionInfo,
+    SlotFor,
+    Touch,
+)
+from .messages import (
+    Offer as OfferMsg,
+)
+from .messages import Subscribe as SubscribeMsg
+from .messages import Unsubscribe as UnsubscribeMsg
+from .services import Services
+
+__all__ = ["Outbox", "SessionActor", "SessionMemo"]
+
+log = logging.getLogger("stepd.daemon")
+
+
+class Outbox(Protocol):
+    """Where a session delivers to its push connection (the transport implements it)."""
+
+    def lease(self, lease: dict[str, Any]) -> bool:
+        """Queue a lease for the worker; False when the connection is going away."""
+
+    def cancel(self, lease_id: str, reason: str) -> None:
+        """Tell the worker to stop a body (best effort: the heartbeat's 409 says it too)."""
+
+    def close(self, reason: str) -> None:
+        """The session gave the connection up: close it (the worker reconnects)."""
+
+
+class SessionMemo:
+    """What a session's incarnations hand on (its child spec holds it): the connection it
+    had and the claims waiting, so a successor can close and end them."""
+
+    __slots__ = ("claims", "outbox")
+
+    def __init__(self) -> None:
+        self.outbox: Outbox | None = None
+        self.claims: dict[int, Callable[[list[dict[str, Any]]], None]] = {}
+
+
+class SessionActor(Actor):
+    kind = "session"
+
+    def __init__(self, services: Services, worker_id: str, memo: SessionMemo) -> None:
+        self.s = services
+        self.worker_id = worker_id
+        self.memo = memo
+        self.name = ""
+        self.machine: SessionMachine
+
+    async def on_start(self) -> None:
+        raw = self.s.storage.get(store.WORKERS, self.worker_id)
+        if not isinstance(raw, dict):
+            raise LookupError(f"worker {self.worker_id} is not registered")
+        self.name = str(raw.get("name") or "")
+        self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
+                                      last_active=self.clock.time_ms())
+        memo = self.memo
+        if memo.outbox is not None:  # an earlier incarnation's connection: it cannot go on
+            outbox, memo.outbox = memo.outbox, None
+            outbox.close("the worker's session restarted: reconnect")
+        claims, memo.claims = memo.claims, {}
+        for reply in claims.values():
+            reply([])
+        if self.restart_reason is not None:
+            # The slots the registry handed the dead incarnation (in its hand, or
+            # still in its mailbox) went with it; their runs still count them as
+            # queued. Have every active run announce its queued slots again (the
+            # registry ignores those it holds already).
+            peers.tell(self.s, "/recovery", ResyncAll())
+        self._arm()
+
+    # ------------------------------------------------------------------ messages
+
+    async def receive(self, message: Any) -> Any:
+        m = self.machine
+        now = self.clock.time_ms()
+        if isinstance(message, SlotFor):
+            await self._perform(m.slot(message.spec, message.claim, now))
+        elif isinstance(message, LeaseEnded):
+            await self._perform(m.lease_ended(message.lease_id, message.reason, now))
+        elif isinstance(message, Grant):
+            if message.conn == m.attached:
+                await self._perform(m.grant(message.n, now))
+        elif isinstance(message, Attach):
+            actions = m.attach(message.conn, now)
+            self.memo.outbox = message.outbox
+            await self._perform(actions)
+        elif isinstance(message, Detach):
+            if message.conn == m.attached:
+                self.memo.outbox = None
+            await self._perform(m.detach(message.conn, now))
+        elif isinstance(message, ClaimSlots):
+            self.memo.claims[message.claim] = message.reply
+            await self._perform(m.claim(message.claim, message.max, message.run_id,
+                                        message.deadline, now))
+        elif isinstance(message, AbandonClaim):
+            self.memo.claims.pop(message.claim, None)
+            await self._perform(m.abandon(message.claim, now))
+        elif isinstance(message, ClaimReady):
+            await self._perform(m.answer(message.claim))
+        elif isinstance(message, Touch):
+            m.touch(now)
+        elif isinstance(message, Due):
+            await self._perform(m.tick(now))
+        elif isinstance(message, Resubscribe):
+            await self._perform(m.resubscribe())
+        elif isinstance(message, SessionInfo):
+            return {"connected": m.attached is not None or bool(m.claims),
+                    "held": [m.held[k] for k in sorted(m.held)], "last_active": m.last_active}
+        else:
+            raise TypeError(f"session: unexpected message {message!r}")
+        self._arm()
+        return None
+
+    # ------------------------------------------------------------------ actions
+
+    async def _perform(self, actions: list[Any]) -> None:
+        s = self.s
+        for action in actions:
+            if isinstance(action, Offer):
+                await self._offer(action)
+            elif isinstance(action, PushLease):
+                outbox = self.memo.outbox
+                if outbox is None or not outbox.lease(action.lease):
+                    # Offered into a connection that is going away: hand the slot
+                    # back now rather than after the lease TTL.
+                    self.machine.lease_ended(action.lease["lease_id"], None, self.clock.time_ms())
+                    peers.tell(s, f"/leases/{action.lease['lease_id']}", ReleaseLease())
+            elif isinstance(action, Subscribe):
+                peers.tell(s, "/registry", SubscribeMsg(self.worker_id, action.n, action.claim,
+                                                       action.run_id))
+            elif isinstance(action, Unsubscribe):
+                peers.tell(s, "/registry", UnsubscribeMsg(self.worker_id, action.claim))
+            elif isinstance(action, ClaimReady):
+                if self.has_pending():
+                    # More slots may be queued for this claim: answer after them,
+                    # so one claim takes a batch.
+                    self.ref.tell_nowait(action)
+                else:
+                    await self._perform(self.machine.answer(action.claim))
+            elif isinstance(action, Answer):
+                reply = self.memo.claims.pop(action.claim, None)
+                if reply is not None:
+                    reply(list(action.leases))
+            elif isinstance(action, PushCancel):
+                outbox = self.memo.outbox
+                if outbox is not None:
+                    outbox.cancel(action.lease_id, action.reason)
+            elif isinstance(action, Release):
+                peers.tell(s, f"/leases/{action.lease_id}", ReleaseLease())
+            elif isinstance(action, Return):
+                peers.tell(s, "/registry", ReturnSpecs(action.specs))
+            elif isinstance(action, Expire):
+                await self._expire()
+
+    async def _offer(self, action: Offer) -> None:
+        spec = action.spec
+        try:
+            lease = await peers.ask_run(self.s, spec.run_id,
+                                        OfferMsg(spec, self.worker_id, self.name), quiet=True)
+        except Unavailable:
+            # Its run did not come up (a /runs kill under load): the run
+            # re-announces the slot when it is back; this session goes on.
+            lease = None
+        await self._perform(self.machine.offered(spec, lease, self.clock.time_ms()))
+
+    async def _expire(self) -> None:
+        """Forget the worker: its registration goes, journals keep its id (one that
+        comes back registers anew: the SDK does on the 404 its old id gets)."""
+        worker_id = self.worker_id
+        seen = self.s.storage.get(store.WORKERS, worker_id)
+        registered_at = seen.get("registered_at") if isinstance(seen, dict) else None
+
+        def forget_txn(t: Any) -> bool:
+            raw = t.get(store.WORKERS, worker_id)
+            # One that registered again meanwhile has a new `registered_at`: kept.
+            if isinstance(raw, dict) and raw.get("registered_at") == registered_at:
+                t.delete(store.WORKERS, worker_id)
+                return True
+            return False
+
+        if await self.s.storage.write(forget_txn):
+            peers.tell(self.s, "/registry", ForgetWorkers((worker_id,)))
+            log.info("forgot idle worker %s (no connection, claim or lease for %d ms)",
+                     worker_id, self.s.config.worker_expiry_ms)
+            self.stop()
+        else:
+            self.machine.touch(self.clock.time_ms())
+
+    def _arm(self) -> None:
+        due = self.machine.next_deadline()
+        if due is None:
+            self.cancel_timer("due")
+            return
+        clock = self.clock
+        self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())
