@@ -36,18 +36,60 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+from ._clock import Clock
 from ._errors import ActorDead
 from ._messages import check_message
-from ._ref import ActorRef
+from ._ref import ActorRef, Cell, SupervisorRef
+from ._spec import ChildSpec
+from ._stats import ActorStatistics, ActorTree
+from ._timers import TimerOwner, TimerService
 
-if TYPE_CHECKING:
-    from ._clock import Clock
-    from ._runtime import Runtime
-    from ._system import ActorSystem
+__all__ = ["Actor", "ActorRuntime", "SystemView"]
 
-__all__ = ["Actor"]
+
+class SystemView(Protocol):
+    """`Actor.system`: the `ActorSystem` the actor runs in, by its public API.
+
+    `ActorSystem` (`_system.py`) sits above this module (it starts a root
+    `Supervisor`, an `Actor`), so the actor names it by this protocol, which
+    it satisfies (mypy checks so wherever a `Runtime` is made).
+    """
+
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def _timers(self) -> TimerService: ...
+    @property
+    def root(self) -> SupervisorRef: ...
+
+    def resolve(self, path: str) -> ActorRef: ...
+    def find(self, path: str) -> ActorRef | None: ...
+    def supervisor(self, path: str = "/") -> SupervisorRef: ...
+    async def spawn(self, spec: ChildSpec) -> ActorRef: ...
+    async def stop(self, path: str) -> None: ...
+    async def kill(self, path: str) -> None: ...
+    def tree(self) -> ActorTree: ...
+    def statistics(self, path: str) -> ActorStatistics: ...
+
+
+class ActorRuntime(TimerOwner, Protocol):
+    """What an actor needs of its incarnation (a `Runtime`, from `_runtime.py`, above)."""
+
+    @property
+    def cell(self) -> Cell: ...
+    @property
+    def system(self) -> SystemView: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def reason(self) -> BaseException | None: ...
+
+    def request_stop(self) -> None: ...
+    def has_pending(self) -> bool: ...
 
 
 class Actor:
@@ -68,7 +110,7 @@ class Actor:
     mailbox_size: ClassVar[int] = 1024
     reply_errors: ClassVar[tuple[type[Exception], ...]] = ()
 
-    _actor_runtime: Runtime | None = None
+    _actor_runtime: ActorRuntime | None = None
     _actor_incarnated: bool = False
     _actor_ref_type: ClassVar[type[ActorRef]] = ActorRef
     #: Run this class's handlers inside a cancel scope entered before their
@@ -111,16 +153,19 @@ class Actor:
 
     # -- API for the actor's own code ----------------------------------------
 
-    def _rt(self) -> Runtime:
+    def _rt(self) -> ActorRuntime:
         rt = self._actor_runtime
         if rt is None:
-            if self._actor_incarnated:
-                raise RuntimeError(f"{type(self).__name__} has stopped and left its supervisor")
-            raise RuntimeError(
-                f"{type(self).__name__} is not running: start it with a ChildSpec "
-                "through a Supervisor or ActorSystem.spawn()"
-            )
+            raise self._not_running()
         return rt
+
+    def _not_running(self) -> RuntimeError:
+        if self._actor_incarnated:
+            return RuntimeError(f"{type(self).__name__} has stopped and left its supervisor")
+        return RuntimeError(
+            f"{type(self).__name__} is not running: start it with a ChildSpec "
+            "through a Supervisor or ActorSystem.spawn()"
+        )
 
     @property
     def path(self) -> str:
@@ -141,7 +186,7 @@ class Actor:
         return self._actor_ref_type(self._rt().cell)
 
     @property
-    def system(self) -> ActorSystem:
+    def system(self) -> SystemView:
         """The actor system this actor runs in.
 
         Raises:

@@ -35,15 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
+from ._types import Dispatcher, Driven
 from ._waiter import cancel_scope_token
-
-if TYPE_CHECKING:
-    from ._runtime import Runtime
-    from ._scheduler import Scheduler
 
 __all__ = ["Killed", "drive"]
 
@@ -70,7 +67,7 @@ class _Resume:
 
     __slots__ = ("coro", "first", "rt")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any, rt: Runtime | None) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any, rt: Driven | None) -> None:
         self.coro = coro
         self.first = first
         self.rt = rt
@@ -99,10 +96,10 @@ class _Resume:
 
 
 async def drive(
-    rt: Runtime,
+    rt: Driven,
     coro: Coroutine[Any, Any, Any],
     base: object,
-    sched: Scheduler | None,
+    sched: Dispatcher | None,
     *,
     shield: bool = False,
     deadline: float = math.inf,
@@ -137,11 +134,11 @@ async def drive(
 
 
 async def _drive_rest(
-    rt: Runtime,
+    rt: Driven,
     coro: Coroutine[Any, Any, Any],
     yielded: Any,
     base: object,
-    sched: Scheduler | None,
+    sched: Dispatcher | None,
     shield: bool,
     deadline: float,
 ) -> Any:
@@ -171,9 +168,9 @@ async def _drive_rest(
 
 
 async def _drive_scoped(
-    rt: Runtime,
+    rt: Driven,
     coro: Coroutine[Any, Any, Any],
-    sched: Scheduler | None,
+    sched: Dispatcher | None,
     shield: bool,
     deadline: float,
 ) -> Any:

@@ -8,11 +8,16 @@ cell is retired and unregistered; a ref holding a retired cell looks its path
 up again, so it also reaches an actor started later at the same path (a run
 re-activated after passivation, say). If nothing runs there, sends fail fast
 with `ActorDead`.
+
+`SupervisorRef` lives here too, below `_actor` (whose `system` returns it) and
+`_supervisor` (re-exported there): it names the supervisor by `SupervisorLike`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from collections.abc import Sized
+from typing import Any, ClassVar, Protocol, Self
 
 import anyio
 import anyio.lowlevel
@@ -20,12 +25,18 @@ import anyio.lowlevel
 from ._errors import ActorDead
 from ._mailbox import Ask
 from ._messages import _VERDICTS, check_message
+from ._spec import ChildSpec, Strategy
 from ._stats import ActorStatistics
+from ._types import SchedulerLike
 
-if TYPE_CHECKING:
-    from ._runtime import Runtime
-
-__all__ = ["CHECKPOINT_EVERY", "ActorRef", "Cell"]
+__all__ = [
+    "CHECKPOINT_EVERY",
+    "ActorRef",
+    "Cell",
+    "Incarnation",
+    "SupervisorLike",
+    "SupervisorRef",
+]
 
 #: `tell` and inline asks skip the event loop when they can; one call in this
 #: many takes an anyio checkpoint anyway, so a task that only tells or asks
@@ -36,6 +47,69 @@ _checkpoint = anyio.lowlevel.checkpoint
 _calls = 0
 
 
+class _RefActor(Protocol):
+    """The class-level facts a ref reads off an incarnation's actor."""
+
+    _actor_ref_type: ClassVar[type[ActorRef]]
+    _actor_is_supervisor: ClassVar[bool]
+
+
+class Incarnation(Protocol):
+    """What refs and users of the registry need of a cell's incarnation (a `Runtime`).
+
+    `_runtime` sits above this module (a `Runtime` holds its `Cell`), so the
+    cell names what it holds by this protocol; read-only members are
+    properties, so the `Runtime`'s plain attributes satisfy them.
+    """
+
+    @property
+    def actor(self) -> _RefActor: ...
+    @property
+    def sched(self) -> SchedulerLike[Self]: ...
+    @property
+    def queue(self) -> deque[Any]: ...
+    @property
+    def sysq(self) -> deque[Any]: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def accepting(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def scheduled(self) -> bool: ...
+    @property
+    def inline(self) -> bool: ...
+    @property
+    def done(self) -> bool: ...
+    @property
+    def reason(self) -> BaseException | None: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def timers(self) -> Sized: ...
+    @property
+    def started_at(self) -> int | None: ...
+
+    async def put(self, item: object) -> None: ...
+    async def ask_inline(self, message: object) -> Any: ...
+    def cancel(self, reason: BaseException | None) -> None: ...
+    async def wait_done(self) -> None: ...
+
+
+class SupervisorLike(Protocol):
+    """What a `SupervisorRef` calls on the `Supervisor` at its path (`_supervisor` is above)."""
+
+    @property
+    def strategy(self) -> Strategy: ...
+
+    async def start_child(self, spec: ChildSpec) -> ActorRef: ...
+    def start_child_nowait(self, spec: ChildSpec) -> ActorRef: ...
+    async def stop_child(self, child_id: str) -> None: ...
+    def which_children(self) -> list[tuple[str, ActorRef]]: ...
+    def count_children(self) -> int: ...
+
+
 class Cell:
     """The registry entry for one path: the current incarnation and its history."""
 
@@ -44,7 +118,7 @@ class Cell:
     def __init__(self, path: str, registry: dict[str, Cell]) -> None:
         self.path = path
         self.registry = registry
-        self.current: Runtime | None = None
+        self.current: Incarnation | None = None
         self.kind = "?"
         self.restarts = 0
         self.retired = False
@@ -95,7 +169,7 @@ class ActorRef:
         self._cell = cell
         self.path = cell.path
 
-    def _runtime(self) -> Runtime:
+    def _runtime(self) -> Incarnation:
         cell = self._cell
         if cell.retired:
             found = cell.registry.get(self.path)
@@ -211,7 +285,7 @@ class ActorRef:
             await self._send_ask(rt, request)
             return await request.wait()
 
-    async def _send_ask(self, rt: Runtime, request: Ask) -> None:
+    async def _send_ask(self, rt: Incarnation, request: Ask) -> None:
         # No checkpoint when there is room: the caller blocks on the reply
         # right after, which is the ask's checkpoint.
         queue = rt.queue
@@ -239,3 +313,72 @@ class ActorRef:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.path}>"
+
+
+class SupervisorRef(ActorRef):
+    """A ref to a supervisor's path, adding `start_child` and `stop_child`.
+
+    Both call straight into the current supervisor incarnation (no mailbox
+    hop), from the caller's task.
+    """
+
+    __slots__ = ()
+
+    def _supervisor(self) -> SupervisorLike:
+        actor = self._runtime().actor
+        if not actor._actor_is_supervisor:  # True on `Supervisor` alone (_supervisor.py)
+            raise TypeError(
+                f"the actor at {self.path} is a {type(actor).__name__}, not a Supervisor"
+            )
+        return actor  # type: ignore[return-value]  # a Supervisor (no cast: no call)
+
+    async def start_child(self, spec: ChildSpec) -> ActorRef:
+        """Start a dynamic child under this supervisor (see `Supervisor.start_child`).
+
+        Raises:
+            ChildExists: the id is taken.
+            StartFailed: the child's `on_start` failed.
+            ActorDead: the supervisor is not running.
+            TypeError: the actor at this path is not a supervisor.
+        """
+        return await self._supervisor().start_child(spec)
+
+    def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
+        """Start a dynamic child without waiting for its `on_start` (see
+        `Supervisor.start_child_nowait`).
+
+        Raises:
+            ChildExists: the id is taken.
+            StartFailed: the child's factory failed.
+            ActorDead: the supervisor is not running.
+            TypeError: the actor at this path is not a supervisor.
+        """
+        return self._supervisor().start_child_nowait(spec)
+
+    async def stop_child(self, child_id: str) -> None:
+        """Stop and remove a child (see `Supervisor.stop_child`).
+
+        Raises:
+            ActorNotFound: no child has this id.
+            ActorDead: the supervisor is not running.
+            TypeError: the actor at this path is not a supervisor.
+        """
+        await self._supervisor().stop_child(child_id)
+
+    def which_children(self) -> list[tuple[str, ActorRef]]:
+        """Return ``(id, ref)`` for every child, in start order.
+
+        Raises:
+            ActorDead: the supervisor is not running.
+            TypeError: the actor at this path is not a supervisor.
+        """
+        return self._supervisor().which_children()
+
+    def count_children(self) -> int:
+        """How many children the supervisor has now.
+
+        Raises:
+            ActorDead: the supervisor is not running.
+            TypeError: the actor at this path is not a supervisor.
+        """
+        return self._supervisor().count_children()

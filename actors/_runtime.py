@@ -34,24 +34,21 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 
+from ._actor import Actor, SystemView
 from ._drive import Killed, drive
 from ._errors import ActorDead, ActorKilled, StartFailed
 from ._mailbox import Ask
+from ._ref import Cell
+from ._spec import ChildSpec
 from ._timers import TimerEntry
+from ._types import SchedulerLike
 from ._waiter import Waiter, cancel_scope_token, current_time
 
-if TYPE_CHECKING:
-    from ._actor import Actor
-    from ._ref import Cell
-    from ._scheduler import Scheduler
-    from ._supervisor import Supervisor, _Child
-    from ._system import ActorSystem
-
-__all__ = ["Runtime"]
+__all__ = ["ExitWatcher", "Runtime", "RuntimeSystem"]
 
 STARTING = "starting"
 RUNNING = "running"
@@ -61,6 +58,37 @@ DEAD = "dead"
 
 def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, anyio.get_cancelled_exc_class())
+
+
+class RuntimeSystem(SystemView, Protocol):
+    """What an incarnation needs of its `ActorSystem` (`_system.py`, above): its scheduler too."""
+
+    @property
+    def _sched(self) -> SchedulerLike[Runtime]: ...
+
+
+class ExitWatcher(Protocol):
+    """What an incarnation needs of its `Supervisor` (`_supervisor.py`, above)."""
+
+    def _child_exited(
+        self, child: _Child, runtime: Runtime, reason: BaseException | None
+    ) -> None: ...
+
+
+class _Child:
+    """A supervisor's record of one child: its spec, cell and current incarnation.
+
+    Here, not in `_supervisor`, because an incarnation reports its exit with it.
+    """
+
+    __slots__ = ("cell", "last_reason", "removed", "runtime", "spec")
+
+    def __init__(self, spec: ChildSpec, cell: Cell) -> None:
+        self.spec = spec
+        self.cell = cell
+        self.runtime: Runtime | None = None
+        self.removed = False
+        self.last_reason: BaseException | None = None  # handed to the next incarnation
 
 
 class Runtime:
@@ -95,9 +123,9 @@ class Runtime:
         self,
         actor: Actor,
         cell: Cell,
-        system: ActorSystem,
+        system: RuntimeSystem,
         child: _Child | None = None,
-        sup: Supervisor | None = None,
+        sup: ExitWatcher | None = None,
     ) -> None:
         if actor._actor_incarnated:
             raise RuntimeError(
@@ -113,7 +141,7 @@ class Runtime:
         self.actor = actor
         self.cell = cell
         self.system = system
-        self.sched: Scheduler = system._sched
+        self.sched: SchedulerLike[Runtime] = system._sched
         self.child = child  # the supervisor's record of this child (None: the root)
         self.sup = sup
         self.queue: deque[Any] = deque()  # the mailbox
@@ -393,7 +421,11 @@ class Runtime:
             await self.wait_done()
 
     async def _stop_sequence(
-        self, reason: BaseException | None, timeout: float, sched: Scheduler | None, base: object
+        self,
+        reason: BaseException | None,
+        timeout: float,
+        sched: SchedulerLike[Runtime] | None,
+        base: object,
     ) -> None:
         """Close, run `on_stop` (shielded, within `timeout`), finish. The owner holds `busy`."""
         self._close(reason)

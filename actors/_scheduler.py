@@ -32,20 +32,17 @@ busy cannot hold the loop.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
+from ._runtime import Runtime
+from ._turn import TURN
+from ._turn import turn as _turn
 from ._waiter import Waiter, cancel_scope_token
-
-if TYPE_CHECKING:
-    from ._runtime import Runtime
 
 __all__ = ["DEFAULT_MAX_DISPATCHERS", "KEEP_IDLE", "TURN", "YIELD_EVERY", "Scheduler"]
 
-#: Items one actor handles per turn before going to the back of the queue.
-TURN = 64
 #: Items a dispatcher handles before it yields to the event loop.
 YIELD_EVERY = 128
 #: Dispatchers kept parked when idle; any more end.
@@ -104,8 +101,7 @@ class Scheduler:
             self.tg.start_soon(self._dispatch, name="stepd.actors dispatcher")
 
     async def _dispatch(self) -> None:
-        from ._turn import turn  # _turn imports this module
-
+        turn = _turn
         base = cancel_scope_token()
         ready = self.ready
         handled = 0

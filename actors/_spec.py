@@ -12,10 +12,9 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from ._actor import Actor
+from ._types import ActorLike
 
 __all__ = ["DEFAULT_WORKER_SHUTDOWN", "ChildSpec", "Restart", "Strategy"]
 
@@ -77,7 +76,7 @@ class ChildSpec:
     """
 
     id: str
-    start: Callable[[], Actor]
+    start: Callable[[], ActorLike]  # an `Actor`, checked at start (_spec sits below _actor)
     restart: Restart = Restart.PERMANENT
     shutdown: float | Literal["brutal"] | None = None
 

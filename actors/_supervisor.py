@@ -54,27 +54,14 @@ from ._errors import (
     SupervisorEscalation,
 )
 from ._intensity import add_restart
-from ._ref import ActorRef, Cell
-from ._runtime import Runtime
+from ._ref import ActorRef, Cell, SupervisorRef
+from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 from ._stats import ActorTree
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
 log = logging.getLogger("stepd.actors")
-
-
-class _Child:
-    """A supervisor's record of one child: its spec, cell and current incarnation."""
-
-    __slots__ = ("cell", "last_reason", "removed", "runtime", "spec")
-
-    def __init__(self, spec: ChildSpec, cell: Cell) -> None:
-        self.spec = spec
-        self.cell = cell
-        self.runtime: Runtime | None = None
-        self.removed = False
-        self.last_reason: BaseException | None = None  # handed to the next incarnation
 
 
 class _ChildExit:
@@ -142,6 +129,15 @@ class Supervisor(Actor):
         self._children: dict[str, _Child] = {}
         self._restarts: tuple[float, ...] = ()
         self._accepting = False
+
+    # A supervisor sits above `_runtime`: it knows its incarnation for what it is.
+    _actor_runtime: Runtime | None
+
+    def _rt(self) -> Runtime:
+        rt = self._actor_runtime
+        if rt is None:
+            raise self._not_running()
+        return rt
 
     # -- public API ---------------------------------------------------------
 
@@ -450,75 +446,6 @@ class Supervisor(Actor):
         if self.strategy is Strategy.ONE_FOR_ALL:
             return children
         return children[children.index(failed) :]
-
-
-class SupervisorRef(ActorRef):
-    """A ref to a supervisor's path, adding `start_child` and `stop_child`.
-
-    Both call straight into the current supervisor incarnation (no mailbox
-    hop), from the caller's task.
-    """
-
-    __slots__ = ()
-
-    def _supervisor(self) -> Supervisor:
-        actor = self._runtime().actor
-        if not isinstance(actor, Supervisor):
-            raise TypeError(
-                f"the actor at {self.path} is a {type(actor).__name__}, not a Supervisor"
-            )
-        return actor
-
-    async def start_child(self, spec: ChildSpec) -> ActorRef:
-        """Start a dynamic child under this supervisor (see `Supervisor.start_child`).
-
-        Raises:
-            ChildExists: the id is taken.
-            StartFailed: the child's `on_start` failed.
-            ActorDead: the supervisor is not running.
-            TypeError: the actor at this path is not a supervisor.
-        """
-        return await self._supervisor().start_child(spec)
-
-    def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
-        """Start a dynamic child without waiting for its `on_start` (see
-        `Supervisor.start_child_nowait`).
-
-        Raises:
-            ChildExists: the id is taken.
-            StartFailed: the child's factory failed.
-            ActorDead: the supervisor is not running.
-            TypeError: the actor at this path is not a supervisor.
-        """
-        return self._supervisor().start_child_nowait(spec)
-
-    async def stop_child(self, child_id: str) -> None:
-        """Stop and remove a child (see `Supervisor.stop_child`).
-
-        Raises:
-            ActorNotFound: no child has this id.
-            ActorDead: the supervisor is not running.
-            TypeError: the actor at this path is not a supervisor.
-        """
-        await self._supervisor().stop_child(child_id)
-
-    def which_children(self) -> list[tuple[str, ActorRef]]:
-        """Return ``(id, ref)`` for every child, in start order.
-
-        Raises:
-            ActorDead: the supervisor is not running.
-            TypeError: the actor at this path is not a supervisor.
-        """
-        return self._supervisor().which_children()
-
-    def count_children(self) -> int:
-        """How many children the supervisor has now.
-
-        Raises:
-            ActorDead: the supervisor is not running.
-            TypeError: the actor at this path is not a supervisor.
-        """
-        return self._supervisor().count_children()
 
 
 Supervisor._actor_ref_type = SupervisorRef

@@ -28,22 +28,32 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from ._clock import Clock
 
-if TYPE_CHECKING:
-    from ._runtime import Runtime
-
-__all__ = ["TimerEntry", "TimerService"]
+__all__ = ["TimerEntry", "TimerOwner", "TimerService"]
 
 _ARMED = 0
 _FIRED = 1
 _CANCELLED = 2
+
+
+class TimerOwner(Protocol):
+    """What the timer service needs of the incarnation owning a timer (a `Runtime`)."""
+
+    @property
+    def timers(self) -> dict[Hashable, TimerEntry]: ...
+
+    @property
+    def sysq(self) -> deque[Any]: ...
+
+    def notify(self) -> None: ...
 
 
 class TimerEntry:
@@ -51,7 +61,7 @@ class TimerEntry:
 
     __slots__ = ("deadline", "key", "message", "owner", "state")
 
-    def __init__(self, owner: Runtime, key: Hashable, deadline: float, message: object) -> None:
+    def __init__(self, owner: TimerOwner, key: Hashable, deadline: float, message: object) -> None:
         self.owner = owner
         self.key = key
         self.deadline = deadline
@@ -82,7 +92,7 @@ class TimerService:
         """Return the number of armed timers not yet fired or cancelled."""
         return self._live
 
-    def arm(self, owner: Runtime, key: Hashable, deadline: float, message: object) -> None:
+    def arm(self, owner: TimerOwner, key: Hashable, deadline: float, message: object) -> None:
         """Arm (or re-arm) `owner`'s timer `key`."""
         self.cancel(owner, key)
         entry = TimerEntry(owner, key, deadline, message)
@@ -92,7 +102,7 @@ class TimerService:
         if deadline < self._target and self._wake_scope is not None:
             self._wake_scope.cancel()
 
-    def cancel(self, owner: Runtime, key: Hashable) -> bool:
+    def cancel(self, owner: TimerOwner, key: Hashable) -> bool:
         """Cancel `owner`'s timer `key`; return whether there was one."""
         entry = owner.timers.pop(key, None)
         if entry is None:
@@ -100,7 +110,7 @@ class TimerService:
         self._retire(entry)
         return True
 
-    def cancel_all(self, owner: Runtime) -> None:
+    def cancel_all(self, owner: TimerOwner) -> None:
         """Cancel every timer of `owner` (its incarnation ends)."""
         timers = owner.timers
         while timers:

@@ -13,21 +13,21 @@ Functions of a `Runtime` (`_runtime.py`), split off to keep that class small.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from ._drive import Killed, drive
 from ._errors import StartFailed
 from ._mailbox import Ask
-from ._scheduler import TURN
+from ._runtime import Runtime
 from ._timers import TimerEntry
+from ._types import SchedulerLike
 
-if TYPE_CHECKING:
-    from ._runtime import Runtime
-    from ._scheduler import Scheduler
+__all__ = ["TURN", "turn"]
 
-__all__ = ["turn"]
+#: Items one actor handles per turn before going to the back of the queue.
+TURN = 64
 
 
 def _is_cancel(exc: BaseException) -> bool:
@@ -35,7 +35,7 @@ def _is_cancel(exc: BaseException) -> bool:
 
 
 
-async def _start_in_turn(rt: Runtime, sched: Scheduler, base: object) -> bool:
+async def _start_in_turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> bool:
     rt.start_pending = False
     try:
         await drive(rt, rt.actor._actor_start(), base, sched, scoped=True)
@@ -57,7 +57,7 @@ async def _start_in_turn(rt: Runtime, sched: Scheduler, base: object) -> bool:
     return True
 
 
-async def turn(rt: Runtime, sched: Scheduler, base: object) -> int:
+async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
     """Serve up to `TURN` items for a dispatcher, which has set `busy`.
 
     Stop requests first, then the system queue, then the mailbox. Returns
@@ -97,7 +97,7 @@ async def turn(rt: Runtime, sched: Scheduler, base: object) -> int:
             sched.schedule(rt)
 
 
-async def _serve(rt: Runtime, item: Any, sched: Scheduler, base: object) -> None:
+async def _serve(rt: Runtime, item: Any, sched: SchedulerLike[Runtime], base: object) -> None:
     actor = rt.actor
     if type(item) is Ask:
         rt.current = item
@@ -116,7 +116,9 @@ async def _serve(rt: Runtime, item: Any, sched: Scheduler, base: object) -> None
         await drive(rt, actor.receive(item), base, sched)
 
 
-async def _serve_system(rt: Runtime, item: Any, sched: Scheduler, base: object) -> None:
+async def _serve_system(
+    rt: Runtime, item: Any, sched: SchedulerLike[Runtime], base: object
+) -> None:
     if type(item) is TimerEntry:
         if rt.system._timers.delivered(item):
             await drive(rt, rt.actor.receive(item.message), base, sched)
@@ -125,7 +127,7 @@ async def _serve_system(rt: Runtime, item: Any, sched: Scheduler, base: object) 
 
 
 async def _handler_failed(
-    rt: Runtime, exc: BaseException, sched: Scheduler, base: object
+    rt: Runtime, exc: BaseException, sched: SchedulerLike[Runtime], base: object
 ) -> None:
     if rt.cancelled:
         rt._end(rt.cancel_reason)
