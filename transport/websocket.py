@@ -556,7 +556,11 @@ class WorkerConnection:
         try:
             self._attached = await self.protocol.daemon.attach(worker_id, self)
         except StepdError:
-            self._attached = None  # the sessions are restarting: credit will be refused
+            # The sessions are restarting (a kill): a connection left registered but
+            # unattached would have its credit refused and wait forever. Close it
+            # like a restarted session does; the worker reconnects and registers again.
+            self._attached = None
+            self.close("the worker's session could not start: reconnect")
             return
         self.worker_id = worker_id
 

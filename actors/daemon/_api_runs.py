@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
@@ -27,6 +28,8 @@ from .run import child_writes, walk_writes
 __all__ = ["RunOps"]
 
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
+
+log = logging.getLogger("stepd.daemon")
 
 
 class RunOps(ApiBase):
@@ -98,23 +101,43 @@ class RunOps(ApiBase):
                       for cw in child_writes(s, e, now)],
             audit=entry,
         )
-        existing = await self.storage.write(store.apply_txn, w)
-        if existing is not None:
-            return existing, False
+        s.creating[run_id] = 0
+        try:
+            existing = await self.storage.write(store.apply_txn, w)
+            if existing is not None:
+                return existing, False
+            await self._activate_created(run_id, w, machine, tr)
+        finally:
+            s.creating.pop(run_id, None)
+        return run_id, True
+
+    async def _activate_created(self, run_id: str, w: store.RunWrite, machine: RunMachine,
+                                tr: Any) -> None:
+        """Count a committed run in, start its actor, wake the children it created."""
+        s = self.services
         s.stats.runs_started += 1
         for created in walk_writes([w]):
             s.stats.status_moved(None, created.record["status"])
         if w.due_new is not None:
             await peers.timers_changed(s, w.due_new)
+        # The machine we hold is the run's only if no incarnation loaded it from
+        # storage since the write (`Services.creating`); else the record decides.
+        initial = (machine, tr) if s.creating.get(run_id) == 0 else None
         try:
-            await peers.activate_run(s, run_id, (machine, tr))
-        except ActorDead:
-            # Committed, but a supervisor it needs is restarting: start it from
-            # the record instead once that is back.
-            await peers.wake_run(s, run_id, None)
-        for child in walk_writes(w.children):
-            await peers.wake_run(s, child.run_id, None)
-        return run_id, True
+            try:
+                await peers.activate_run(s, run_id, initial)
+            except ActorDead:
+                # Committed, but a supervisor it needs is restarting: start it from
+                # the record instead once that is back.
+                await peers.wake_run(s, run_id, None)
+            for child in walk_writes(w.children):
+                await peers.wake_run(s, child.run_id, None)
+        except Unavailable:
+            # The run is committed: answering 503 now would tell the client it may
+            # not exist. Its actor comes up with recovery, which runs after every
+            # restart of /runs (rest_for_one) and activates every active run.
+            log.info("run %s is committed; its actor starts with recovery (/runs is "
+                     "restarting)", run_id)
 
     def _record(self, run_id: str) -> dict[str, Any]:
         raw = self.storage.read(store.load_run_txn, run_id)

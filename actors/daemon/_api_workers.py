@@ -52,12 +52,13 @@ class Connection:
     connection ends; the session delivers leases and cancels to the outbox.
     """
 
-    __slots__ = ("_daemon", "conn", "worker_id")
+    __slots__ = ("_daemon", "conn", "outbox", "worker_id")
 
-    def __init__(self, daemon: WorkerOps, worker_id: str, conn: int) -> None:
+    def __init__(self, daemon: WorkerOps, worker_id: str, conn: int, outbox: Outbox) -> None:
         self._daemon = daemon
         self.worker_id = worker_id
         self.conn = conn
+        self.outbox = outbox
 
     def grant(self, n: int) -> None:
         """Grant `n` more leases (the WebSocket ``credit`` frame).
@@ -69,7 +70,7 @@ class Connection:
             raise Invalid("must be an integer from 1 to 10000", field="n")
         if self._daemon.services.serving:
             peers.tell(self._daemon.services, f"/sessions/{self.worker_id}",
-                       Grant(self.conn, n))
+                       Grant(self.conn, n, self.outbox))
 
     def detach(self) -> None:
         """The connection ended: its undelivered slots and credit go back."""
@@ -160,7 +161,7 @@ class WorkerOps(ApiBase):
             NotFound: an unknown worker id.
             Unavailable: the sessions supervisor is restarting.
         """
-        conn = Connection(self, worker_id, next(_CONNECTIONS))
+        conn = Connection(self, worker_id, next(_CONNECTIONS), outbox)
         await self._tell_session(worker_id, Attach(conn.conn, outbox))
         return conn
 

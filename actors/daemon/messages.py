@@ -207,10 +207,13 @@ class Detach:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """The attached connection grants `n` more leases (credit)."""
+    """The attached connection grants `n` more leases (credit). It carries the outbox
+    too: if its `Attach` died in the mailbox of a killed incarnation, the session
+    attaches it now instead of ignoring its credit forever."""
 
     conn: int
     n: int
+    outbox: Any = None  # session.Outbox
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,9 @@ class RunActor(Actor):
             # before the kill is made again, same attempt and fence, to another
             # worker (the campaign's kill races found that). Nothing pending at
             # all (the common case) needs no barrier.
+            creating = e.creating
+            if self.run_id in creating:
+                creating[self.run_id] += 1  # its creator's machine is stale from now on
             if not e.storage.settled():
                 await e.storage.write(store.barrier_txn)
             raw = e.storage.read(store.load_run_txn, self.run_id)

@@ -146,6 +146,13 @@ class Services:
     watch: RunWatch = field(default_factory=RunWatch)
     #: False once the daemon began shutting down: no new leases are handed out.
     serving: bool = True
+    #: Runs being created (`Daemon.start_run`, between its write and its actor's
+    #: start) -> how many incarnations loaded them from storage meanwhile. The
+    #: machine the start holds is the run's truth only while that is 0: recovery
+    #: may activate a just-committed run, let it offer, and lose it to a kill,
+    #: and a start that then handed its stale machine to a new incarnation would
+    #: write over what that one journaled (the campaign's /runs kills found it).
+    creating: dict[str, int] = field(default_factory=dict)
     #: The child specs of a run actor (run id, its freshly started machine or
     #: None, whether a message is on its way) and of a lease actor (record,
     #: fresh offer): set where the tree is built, so `peers` starts actors

@@ -136,6 +136,11 @@ class SessionActor(Actor):
         elif isinstance(message, LeaseEnded):
             await self._perform(m.lease_ended(message.lease_id, message.reason, now))
         elif isinstance(message, Grant):
+            if m.attached is None and message.outbox is not None:
+                # Its Attach died in a killed incarnation's mailbox (the memo then
+                # had no outbox to close): attach it now, or its credit is lost.
+                self.memo.outbox = message.outbox
+                await self._perform(m.attach(message.conn, now))
             if message.conn == m.attached:
                 await self._perform(m.grant(message.n, now))
         elif isinstance(message, Attach):

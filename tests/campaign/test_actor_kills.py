@@ -366,7 +366,10 @@ def test_kill_actor_kind(kind: str, tmp_path: Path, summary: Any) -> None:
                 threads.join()
                 run_ids = list(starter.runs)
                 results = wait_runs(client, run_ids, deadline)
-                journals = {run_id: journal(client, run_id) for run_id in run_ids}
+                # Every run a raw lease names, too: a start whose answer was lost (a
+                # transport error) still made a run the raw worker may have served.
+                journals = {run_id: journal(client, run_id)
+                            for run_id in {*run_ids, *(lease["run_id"] for lease in raw.leases)}}
                 final_tree = tree(client)
                 for node in walk(final_tree):
                     key = node["path"] if node["path"] in ["/", *STATIC] else kind_of(node)
