@@ -192,7 +192,7 @@ class LeaseActor(Actor):
             final = LeaseStatus.FAILED
         stored = rec.to_dict()
         if final is not None:
-            stored["status"] = final.value
+            stored["status"] = final.text
             stored["ended_at"] = now
             stored["call"] = call.token
         elif rec.delivery == "at_least_once":

@@ -185,7 +185,7 @@ class RunActor(Actor):
         self.indexed_due = self.machine.next_deadline()
         self.indexed_active = not self.machine.idle()
         # The status as counted in stats.status_counts (creation counted it already).
-        self._status = self.machine.record.status.value
+        self._status = self.machine.record.status.text
         if isinstance(give_up, str) and not self.machine.record.status.terminal:
             failed = self.machine.handle(InternalFailure(give_up), self.s.clock.time_ms())
             await self._commit(failed)
@@ -429,7 +429,7 @@ class RunActor(Actor):
         )
         for effect in tr.effects:
             if isinstance(effect, EndLeases):
-                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).value
+                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).text
                 now = self.s.clock.time_ms()
                 w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
             elif isinstance(effect, StartChildren):
@@ -444,7 +444,7 @@ class RunActor(Actor):
                 r = m.record
                 w.inbox.append((effect.parent_run_id, self.run_id, {
                     "type": "child_finished", "child_run_id": self.run_id,
-                    "status": r.status.value, "result": r.result, "error": r.error,
+                    "status": r.status.text, "result": r.result, "error": r.error,
                 }))
             elif isinstance(effect, CancelChildren):
                 for child in effect.run_ids:
@@ -452,7 +452,7 @@ class RunActor(Actor):
                                                          "message": f"parent run {self.run_id} ended"}))
         self.indexed_due = due
         self.indexed_active = active
-        status = m.record.status.value
+        status = m.record.status.text
         if status != self._status:
             self.s.stats.status_moved(self._status, status)
             self._status = status

@@ -179,7 +179,7 @@ class _RunBase:
             body=step.body,
             item_index=slot.item_index,
             attempt=slot.attempt,
-            delivery=step.delivery.value,
+            delivery=step.delivery.text,
             timeout_ms=step.timeout_ms,
             idempotency_key=key,
             excluded_workers=tuple(slot.excluded),
@@ -280,7 +280,7 @@ class _RunBase:
             self._journal(tr, now, event, result=r.result)
         else:
             self._journal(tr, now, event, error=error)
-        tr.effects.append(RunEnded(r.run_id, status.value))
+        tr.effects.append(RunEnded(r.run_id, status.text))
         if r.parent is not None:
             tr.effects.append(NotifyParent(r.parent["run_id"], r.run_id))
 

@@ -260,7 +260,7 @@ class RunMachine(_RunEvents):
         return {
             "run_id": r.run_id,
             "workflow": r.workflow,
-            "status": r.status.value,
+            "status": r.status.text,
             "definition_version": r.version,
             "definition_hash": r.definition_hash,
             "idempotency_key": r.idempotency_key,
