@@ -467,7 +467,7 @@ class RunActor(Actor):
             return
         w = self._write(tr, **extra)
         await self.s.storage.write(store.apply_txn, w)
-        self._arm()
+        self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
 
     # ------------------------------------------------------------------ effects
 
@@ -524,7 +524,10 @@ class RunActor(Actor):
                 peers.start_lease(e, LeaseRecord.from_dict(raw), fresh=False)
 
     def _arm(self) -> None:
-        due = self.machine.next_deadline()
+        self._arm_at(self.machine.next_deadline())
+
+    def _arm_at(self, due: int | None) -> None:
+        """Arm (or cancel) the timer of the machine's next deadline, `due`."""
         if due is None:
             self.cancel_timer("due")
             return
