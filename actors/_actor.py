@@ -287,6 +287,15 @@ class Actor:
     async def _actor_system_item(self, item: object) -> None:
         """Handle an item of the system queue other than a timer (supervisors)."""
 
+    def _actor_system_item_now(self, item: object) -> bool:
+        """Handle `item` at once if that needs no waiting; False leaves it to `_actor_system_item`.
+
+        What cannot wait cannot be killed half way either, so it needs no
+        cancel scope nor a handler driver (supervisors are scoped: a driven
+        child exit costs one).
+        """
+        return False
+
     def __repr__(self) -> str:
         rt = self._actor_runtime
         where = rt.cell.path if rt is not None else "not started"
