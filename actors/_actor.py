@@ -251,6 +251,8 @@ class Actor:
             RuntimeError: the actor was never started.
         """
         rt = self._rt()
+        if key not in rt.timers:
+            return False  # the common case (a handler re-checking its deadline): nothing to retire
         return rt.system._timers.cancel(rt, key)
 
     def timer_deadline(self, key: Hashable) -> float | None:

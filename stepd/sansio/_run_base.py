@@ -152,7 +152,9 @@ class _RunBase:
     def _journal(self, tr: Transition, now: int, type_: str, **fields: Any) -> None:
         self.record.seq += 1
         entry = {"seq": self.record.seq, "type": type_, "at": now}
-        entry.update({k: v for k, v in fields.items() if v is not None})
+        for k, v in fields.items():
+            if v is not None:
+                entry[k] = v
         tr.journal.append(entry)
 
     def _ctx(self, *, item: Any = MISSING, item_index: int | None = None) -> TemplateContext:
