@@ -341,19 +341,14 @@ class Protocol:
         """
         return _Tracking(self)
 
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
+    def counting(self) -> _Counting:
         """`tracking` without a cancel scope of its own: counted, not cancelled by `abort`.
 
         For calls that `abort` reaches another way: a WebSocket frame's call
         runs in its connection's task group, which `abort` cancels as a whole
         (`WorkerConnection.abort`). That spares two cancel scopes per step.
         """
-        self._inflight += 1
-        try:
-            yield
-        finally:
-            self._call_done()
+        return _Counting(self)
 
     def _call_done(self) -> None:
         self._inflight -= 1
@@ -514,4 +509,20 @@ class _Tracking:
 
     def _done(self) -> None:
         self.protocol._calls.discard(self.scope)
+        self.protocol._call_done()
+
+
+class _Counting:
+    """`Protocol.counting`'s context manager: a class, like `_Tracking` (two frames per step)."""
+
+    __slots__ = ("protocol",)
+
+    def __init__(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+
+    def __enter__(self) -> None:
+        self.protocol._inflight += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.protocol._call_done()
