@@ -194,6 +194,10 @@ class ActorRef:
     @property
     def alive(self) -> bool:
         """Whether an incarnation at this path currently accepts messages."""
+        cell = self._cell
+        if not cell.retired:  # `_runtime`'s check, without raising and catching ActorDead
+            rt = cell.current
+            return rt is not None and rt.accepting
         try:
             self._runtime()
         except ActorDead:
