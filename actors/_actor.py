@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Protocol
 
 from ._clock import Clock
 from ._errors import ActorDead
-from ._messages import check_message
+from ._messages import _VERDICTS, check_message
 from ._ref import ActorRef, Cell, SupervisorRef
 from ._spec import ChildSpec
 from ._stats import ActorStatistics, ActorTree
@@ -236,8 +236,11 @@ class Actor:
             ActorDead: the incarnation is already shutting down.
             RuntimeError: the actor was never started.
         """
-        rt = self._rt()
-        check_message(message)
+        rt = self._actor_runtime  # `_rt()` inlined: timers are armed and cancelled on every step
+        if rt is None:
+            raise self._not_running()
+        if _VERDICTS.get(type(message)) is not True:  # as ActorRef.tell: a known type is immutable
+            check_message(message)
         if math.isnan(deadline):
             raise ValueError("deadline must be a number of seconds, got NaN")
         if rt.closed:
@@ -250,7 +253,11 @@ class Actor:
         Raises:
             RuntimeError: the actor was never started.
         """
-        rt = self._rt()
+        rt = self._actor_runtime  # `_rt()` inlined, as in `arm_timer`
+        if rt is None:
+            raise self._not_running()
+        if key not in rt.timers:
+            return False  # the common case (a handler re-checking its deadline): nothing to retire
         return rt.system._timers.cancel(rt, key)
 
     def timer_deadline(self, key: Hashable) -> float | None:
@@ -286,6 +293,15 @@ class Actor:
 
     async def _actor_system_item(self, item: object) -> None:
         """Handle an item of the system queue other than a timer (supervisors)."""
+
+    def _actor_system_item_now(self, item: object) -> bool:
+        """Handle `item` at once if that needs no waiting; False leaves it to `_actor_system_item`.
+
+        What cannot wait cannot be killed half way either, so it needs no
+        cancel scope nor a handler driver (supervisors are scoped: a driven
+        child exit costs one).
+        """
+        return False
 
     def __repr__(self) -> str:
         rt = self._actor_runtime

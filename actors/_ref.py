@@ -113,7 +113,7 @@ class SupervisorLike(Protocol):
 class Cell:
     """The registry entry for one path: the current incarnation and its history."""
 
-    __slots__ = ("current", "kind", "path", "registry", "restarts", "retired")
+    __slots__ = ("_ref", "current", "kind", "path", "registry", "restarts", "retired")
 
     def __init__(self, path: str, registry: dict[str, Cell]) -> None:
         self.path = path
@@ -122,13 +122,23 @@ class Cell:
         self.kind = "?"
         self.restarts = 0
         self.retired = False
+        self._ref: ActorRef | None = None
 
     def ref(self) -> ActorRef:
-        """Return a ref of the current actor's ref type (`SupervisorRef` for supervisors)."""
+        """Return a ref of the current actor's ref type (`SupervisorRef` for supervisors).
+
+        Refs hold no state of an incarnation (they reach whichever is current),
+        so the cell hands out one ref per ref type instead of building one per
+        lookup: the daemon resolves a path several times per step.
+        """
         rt = self.current
         if rt is None:
             return ActorRef(self)
-        return rt.actor._actor_ref_type(self)
+        ref = self._ref
+        ref_type = rt.actor._actor_ref_type
+        if ref is None or type(ref) is not ref_type:
+            ref = self._ref = ref_type(self)
+        return ref
 
     def register(self) -> None:
         self.registry[self.path] = self
@@ -184,6 +194,10 @@ class ActorRef:
     @property
     def alive(self) -> bool:
         """Whether an incarnation at this path currently accepts messages."""
+        cell = self._cell
+        if not cell.retired:  # `_runtime`'s check, without raising and catching ActorDead
+            rt = cell.current
+            return rt is not None and rt.accepting
         try:
             self._runtime()
         except ActorDead:

@@ -378,6 +378,19 @@ class Supervisor(Actor):
         if type(item) is _ChildExit:
             await self._on_child_exit(item)
 
+    def _actor_system_item_now(self, item: object) -> bool:
+        # The common exit (a transient child stopping normally: a lease, a run
+        # that passivates) is bookkeeping only; a restart waits, so it is driven.
+        if type(item) is not _ChildExit:
+            return False
+        child = item.child
+        if child.removed or child.runtime is not item.runtime:
+            return True  # stale: stopped on purpose, or already replaced
+        if item.reason is None and not _should_restart(child.spec.restart, None):
+            self._remove(child)
+            return True
+        return False
+
     async def _on_child_exit(self, event: _ChildExit) -> None:
         child = event.child
         if child.removed or child.runtime is not event.runtime:

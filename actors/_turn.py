@@ -122,6 +122,9 @@ async def _serve_system(
     if type(item) is TimerEntry:
         if rt.system._timers.delivered(item):
             await drive(rt, rt.actor.receive(item.message), base, sched)
+    elif rt.actor._actor_system_item_now(item):
+        if rt.cancelled:  # as `drive` does after a handler that did not wait
+            raise Killed
     else:
         await drive(rt, rt.actor._actor_system_item(item), base, sched)
 

@@ -188,7 +188,9 @@ class Writer:
             if self._stopping:
                 raise StorageClosed("the storage is closed or closing; no more writes")
             self._queue.extend(requests)
-            self._awaited_queued += sum(1 for r in requests if not r.deferred)
+            for r in requests:
+                if not r.deferred:
+                    self._awaited_queued += 1
             self._cond.notify()
 
     def request_stop(self) -> None:

@@ -51,6 +51,26 @@ def _stored_int(text: str) -> int:
     return value
 
 
+#: Only an integer of 19 digits or more can fall outside that range (10**18 - 1
+#: is below 2**63): a document with no such run of digits anywhere is parsed
+#: without the per-integer check (one regex scan instead of a call per number).
+_NINETEEN_DIGITS: Final = re.compile(r"[0-9]{19}")
+_NINETEEN_DIGITS_B: Final = re.compile(rb"[0-9]{19}")
+
+
+def _int_hook(text: str | bytes | bytearray) -> Any:
+    """`parse_int` for `json.loads`: the range check, or None (plain int) when it cannot fail.
+
+    Bytes holding a NUL may be UTF-16 or UTF-32 (which `json.loads` accepts),
+    whose digits are not adjacent bytes: those are always checked.
+    """
+    if isinstance(text, str):
+        long_digits = _NINETEEN_DIGITS.search(text) is not None
+    else:
+        long_digits = b"\0" in text or _NINETEEN_DIGITS_B.search(text) is not None
+    return _stored_int if long_digits else None
+
+
 def _finite_float(text: str) -> float:
     # `1e400` parses as infinity, which JSON cannot carry back out (the run
     # would become unreadable): refused like the NaN/Infinity literals.
@@ -82,7 +102,7 @@ def decode_json(data: bytes | str) -> Any:
         Invalid: not UTF-8, not JSON (``field`` None; the message says where).
     """
     try:
-        value = json.loads(data, parse_constant=_refuse_constant, parse_int=_stored_int,
+        value = json.loads(data, parse_constant=_refuse_constant, parse_int=_int_hook(data),
                            parse_float=_finite_float)
         # A lone surrogate can only come from a \u escape: look only then.
         if ("\\ud" in data or "\\uD" in data) if isinstance(data, str) else (
@@ -117,7 +137,7 @@ def copy_json(value: Any) -> Any:
     try:
         text = JSON_ENCODER.encode(value)
         text.encode("utf-8")  # a lone surrogate cannot be stored
-        return json.loads(text, parse_int=_stored_int)
+        return json.loads(text, parse_int=_int_hook(text))
     except UnicodeEncodeError:
         raise Invalid("not JSON: a string holds a lone surrogate") from None
     except (TypeError, ValueError) as exc:

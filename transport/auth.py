@@ -150,6 +150,15 @@ class Principal:
         return self.key_id is None
 
 
+_ALL_SCOPES: Final = frozenset(Scope)
+
+#: With auth disabled every call gets the anonymous principal of its need:
+#: built once (it is immutable), not per call.
+_ANONYMOUS: Final[Mapping[Need, Principal]] = {
+    need: Principal(ANONYMOUS_KEY_ID, _ALL_SCOPES, scope) for need, scope in _PRIMARY.items()
+}
+
+
 class _AuthError(StepdError):
     """Base of the two refusals; not raised itself."""
 
@@ -288,7 +297,7 @@ class KeyRing:
         With auth disabled, every scope (any call is allowed).
         """
         if not self.enabled:
-            return frozenset(Scope)
+            return _ALL_SCOPES
         return _bits_to_scopes(self._accepts[need])
 
     def _accepted_bits(self, need: Need) -> int:
@@ -323,7 +332,7 @@ class KeyRing:
             Forbidden: a configured key whose scopes do not grant ``need``.
         """
         if not self._entries:
-            return Principal(ANONYMOUS_KEY_ID, frozenset(Scope), _PRIMARY[need])
+            return _ANONYMOUS[need]
         raw = _bearer_token(authorization)
         presented = _digest(raw)
         # Every entry is compared, and the match folded in arithmetically: no

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -329,39 +330,25 @@ class Protocol:
 
     # ------------------------------------------------------------------ drain
 
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[anyio.CancelScope]:
+    def tracking(self) -> _Tracking:
         """Count one call in flight for the duration; `abort` cancels its scope.
 
         Shutdown waits for the calls in flight (`wait_quiet`); once the grace
         period is over it cancels them (`abort`): the transport then answers
         503 if it still can (a write already submitted still commits).
-        """
-        self._inflight += 1
-        scope = anyio.CancelScope()
-        if self._aborted:
-            scope.cancel()
-        self._calls.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._calls.discard(scope)
-            self._call_done()
 
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
+        ``with protocol.tracking() as scope:`` (an HTTP or in-process call).
+        """
+        return _Tracking(self)
+
+    def counting(self) -> _Counting:
         """`tracking` without a cancel scope of its own: counted, not cancelled by `abort`.
 
         For calls that `abort` reaches another way: a WebSocket frame's call
         runs in its connection's task group, which `abort` cancels as a whole
         (`WorkerConnection.abort`). That spares two cancel scopes per step.
         """
-        self._inflight += 1
-        try:
-            yield
-        finally:
-            self._call_done()
+        return _Counting(self)
 
     def _call_done(self) -> None:
         self._inflight -= 1
@@ -488,3 +475,54 @@ def _drain_into(samples: list[float], observe: Callable[[float], None]) -> None:
         if isinstance(value, (int, float)) and math.isfinite(value):
             observe(max(0.0, float(value)))
     del samples[:n]
+
+
+class _Tracking:
+    """`Protocol.tracking`'s context manager: a class, not a generator context
+    manager (which costs four more calls, on every HTTP and in-process call)."""
+
+    __slots__ = ("protocol", "scope")
+
+    def __init__(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+        self.scope = anyio.CancelScope()
+
+    def __enter__(self) -> anyio.CancelScope:
+        protocol, scope = self.protocol, self.scope
+        protocol._inflight += 1
+        if protocol._aborted:
+            scope.cancel()
+        protocol._calls.add(scope)
+        try:
+            scope.__enter__()
+        except BaseException:
+            self._done()
+            raise
+        return scope
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        try:
+            return bool(self.scope.__exit__(exc_type, exc, tb))
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        self.protocol._calls.discard(self.scope)
+        self.protocol._call_done()
+
+
+class _Counting:
+    """`Protocol.counting`'s context manager: a class, like `_Tracking` (two frames per step)."""
+
+    __slots__ = ("protocol",)
+
+    def __init__(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+
+    def __enter__(self) -> None:
+        self.protocol._inflight += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.protocol._call_done()

@@ -116,7 +116,7 @@ class LeaseActor(Actor):
         elif self._restarted:
             since = self._memo.touched or record.offered_at
         else:
-            since = self.clock.time_ms()
+            since = self.s.clock.time_ms()
         self.machine = LeaseMachine(
             record, ttl_ms=e.config.lease_ttl_ms, window_ms=e.config.recovery_window_ms,
             now=since,
@@ -141,7 +141,7 @@ class LeaseActor(Actor):
         if isinstance(message, ReleaseLease):
             rec = self.machine.record
             if rec.status is LeaseStatus.OFFERED:
-                now = self.clock.time_ms()
+                now = self.s.clock.time_ms()
                 self.machine.end(LeaseStatus.FENCED, now)
                 await peers.wake_run(self.s, rec.run_id, AttemptNote(
                     rec.lease_id, AttemptReleased(rec.step_id, rec.item_index, rec.fence),
@@ -151,7 +151,7 @@ class LeaseActor(Actor):
         if isinstance(message, EndLease):
             if self.machine.status.live:
                 status = LeaseStatus.FENCED if message.reason == "fenced" else LeaseStatus.RUN_TERMINAL
-                self.machine.end(status, self.clock.time_ms())
+                self.machine.end(status, self.s.clock.time_ms())
                 self._end(message.reason)
             else:
                 self.stop()
@@ -168,7 +168,7 @@ class LeaseActor(Actor):
         reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         self._memo.touched = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
         if revived:
@@ -192,7 +192,7 @@ class LeaseActor(Actor):
             final = LeaseStatus.FAILED
         stored = rec.to_dict()
         if final is not None:
-            stored["status"] = final.value
+            stored["status"] = final.text
             stored["ended_at"] = now
             stored["call"] = call.token
         elif rec.delivery == "at_least_once":
@@ -221,7 +221,7 @@ class LeaseActor(Actor):
     async def _tick(self) -> None:
         m = self.machine
         rec = m.record
-        for action in m.tick(self.clock.time_ms()):
+        for action in m.tick(self.s.clock.time_ms()):
             if isinstance(action, Orphaned):
                 await peers.wake_run(self.s, rec.run_id, AttemptNote(
                     rec.lease_id, AttemptOrphaned(rec.step_id, rec.item_index, rec.fence)))
@@ -239,5 +239,5 @@ class LeaseActor(Actor):
         if due is None:
             self.cancel_timer("due")
             return
-        clock = self.clock
+        clock = self.s.clock
         self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())

@@ -109,7 +109,7 @@ class RecoveryActor(Actor):
             # It keeps dying as it starts (someone is killing it): try again
             # later. A run with work in flight must end up with an actor.
             self.pending[run_id] = message
-            self.arm_timer("retry", self.clock.now() + self.backoff, Due())
+            self.arm_timer("retry", self.s.clock.now() + self.backoff, Due())
         except Exception:
             log.exception("recovery could not activate run %s; it stays on record", run_id)
         return True

@@ -188,15 +188,15 @@ class RunActor(Actor):
         self.indexed_due = self.machine.next_deadline()
         self.indexed_active = not self.machine.idle()
         # The status as counted in stats.status_counts (creation counted it already).
-        self._status = self.machine.record.status.value
+        self._status = self.machine.record.status.text
         if isinstance(give_up, str) and not self.machine.record.status.terminal:
-            failed = self.machine.handle(InternalFailure(give_up), self.clock.time_ms())
+            failed = self.machine.handle(InternalFailure(give_up), self.s.clock.time_ms())
             await self._commit(failed)
             await self._effects(failed)
         if not self.machine.record.begun and not self.machine.record.status.terminal:
             # A child its parent created: enter its first step now, in its own
             # transaction (`Begin`; the parent's held only the record).
-            begun = self.machine.handle(Begin(), self.clock.time_ms())
+            begun = self.machine.handle(Begin(), self.s.clock.time_ms())
             await self._commit(begun)
             await self._effects(begun)
         await self._drain_inbox()
@@ -230,7 +230,7 @@ class RunActor(Actor):
         crash = own_crash(self.restart_reason)
         if crash is None:
             return None
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         error = f"{type(crash).__name__}: {crash}"
         count = await self.s.storage.write(
             store.count_crash_txn, self.run_id, now, error, CRASH_PERIOD_MS, 2 * MAX_CRASHES + 1)
@@ -253,7 +253,7 @@ class RunActor(Actor):
         if not m.idle() or self.has_pending() or m.live_leases():
             return False
         due = m.next_deadline()
-        return due is None or due > self.clock.time_ms()
+        return due is None or due > self.s.clock.time_ms()
 
     async def _dispatch(self, message: Any) -> Any:
         if isinstance(message, ApplyAttempt):
@@ -267,7 +267,7 @@ class RunActor(Actor):
             return await self._note(message)
         if isinstance(message, Signal):
             tr = self.machine.handle(SignalReceived(message.name, message.payload),
-                                     self.clock.time_ms())
+                                     self.s.clock.time_ms())
             # A refused signal journals its refusal; its audit entry (a 409) is
             # the caller's to write, not this transaction's.
             await self._commit(tr, audit=message.audit if tr.refused is None else None)
@@ -293,14 +293,14 @@ class RunActor(Actor):
 
     async def _handle(self, event: Any, **write: Any) -> Transition:
         """Apply one machine event, persist it, then perform its effects."""
-        tr = self.machine.handle(event, self.clock.time_ms())
+        tr = self.machine.handle(event, self.s.clock.time_ms())
         await self._commit(tr, **write)
         await self._effects(tr)
         return tr
 
     async def _offer(self, msg: Offer) -> dict[str, Any] | None:
         e = self.s
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         lease_id = ids.lease_id(now)
         spec = msg.spec
         try:
@@ -334,7 +334,7 @@ class RunActor(Actor):
         if msg.op is Op.STARTED and self.machine.record.frame is not None:
             slot = self.machine.record.frame.slot(msg.event.item_index)
             queued_at = None if slot is None else slot.queued_at
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             try:
                 tr = self.machine.handle(msg.event, now)
@@ -386,7 +386,7 @@ class RunActor(Actor):
 
     async def _note(self, msg: AttemptNote) -> None:
         try:
-            tr = self.machine.handle(msg.event, self.clock.time_ms())
+            tr = self.machine.handle(msg.event, self.s.clock.time_ms())
         except Conflict:
             return  # the attempt moved on meanwhile: nothing to record
         leases = [msg.lease] if msg.lease is not None else []
@@ -407,7 +407,7 @@ class RunActor(Actor):
             else:
                 continue
             try:
-                tr = self.machine.handle(event, self.clock.time_ms())
+                tr = self.machine.handle(event, self.s.clock.time_ms())
             except Conflict:
                 tr = Transition()  # already terminal: just consume the message
             await self._commit(tr, inbox_done=[key])
@@ -419,7 +419,6 @@ class RunActor(Actor):
         m = self.machine
         due = m.next_deadline()
         active = not m.idle()
-        now = self.clock.time_ms()
         w = store.RunWrite(
             run_id=self.run_id,
             record=m.record.to_dict(),
@@ -433,10 +432,11 @@ class RunActor(Actor):
         )
         for effect in tr.effects:
             if isinstance(effect, EndLeases):
-                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).value
+                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).text
+                now = self.s.clock.time_ms()
                 w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
             elif isinstance(effect, StartChildren):
-                children = child_writes(self.s, effect, now)
+                children = child_writes(self.s, effect, self.s.clock.time_ms())
                 w.children.extend(children)
                 for cw in walk_writes(children):
                     self.s.stats.status_moved(None, cw.record["status"])
@@ -447,7 +447,7 @@ class RunActor(Actor):
                 r = m.record
                 w.inbox.append((effect.parent_run_id, self.run_id, {
                     "type": "child_finished", "child_run_id": self.run_id,
-                    "status": r.status.value, "result": r.result, "error": r.error,
+                    "status": r.status.text, "result": r.result, "error": r.error,
                 }))
             elif isinstance(effect, CancelChildren):
                 for child in effect.run_ids:
@@ -455,7 +455,7 @@ class RunActor(Actor):
                                                          "message": f"parent run {self.run_id} ended"}))
         self.indexed_due = due
         self.indexed_active = active
-        status = m.record.status.value
+        status = m.record.status.text
         if status != self._status:
             self.s.stats.status_moved(self._status, status)
             self._status = status
@@ -470,7 +470,7 @@ class RunActor(Actor):
             return
         w = self._write(tr, **extra)
         await self.s.storage.write(store.apply_txn, w)
-        self._arm()
+        self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
 
     # ------------------------------------------------------------------ effects
 
@@ -497,7 +497,7 @@ class RunActor(Actor):
                 stats = e.stats
                 stats.runs_ended += 1
                 stats.sample(stats.run_to_complete,
-                             (self.clock.time_ms() - self.machine.record.created_at) / 1000)
+                             (self.s.clock.time_ms() - self.machine.record.created_at) / 1000)
                 e.watch.ended(self.run_id)
 
     def _announce(self) -> None:
@@ -527,10 +527,13 @@ class RunActor(Actor):
                 peers.start_lease(e, LeaseRecord.from_dict(raw), fresh=False)
 
     def _arm(self) -> None:
-        due = self.machine.next_deadline()
+        self._arm_at(self.machine.next_deadline())
+
+    def _arm_at(self, due: int | None) -> None:
+        """Arm (or cancel) the timer of the machine's next deadline, `due`."""
         if due is None:
             self.cancel_timer("due")
             return
-        clock = self.clock
+        clock = self.s.clock
         self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())
 

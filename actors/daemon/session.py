@@ -110,7 +110,7 @@ class SessionActor(Actor):
             raise LookupError(f"worker {self.worker_id} is not registered")
         self.name = str(raw.get("name") or "")
         self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
-                                      last_active=self.clock.time_ms())
+                                      last_active=self.s.clock.time_ms())
         memo = self.memo
         if memo.outbox is not None:  # an earlier incarnation's connection: it cannot go on
             outbox, memo.outbox = memo.outbox, None
@@ -130,7 +130,7 @@ class SessionActor(Actor):
 
     async def receive(self, message: Any) -> Any:
         m = self.machine
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         if isinstance(message, SlotFor):
             await self._perform(m.slot(message.spec, message.claim, now))
         elif isinstance(message, LeaseEnded):
@@ -186,7 +186,7 @@ class SessionActor(Actor):
                 if outbox is None or not outbox.lease(action.lease):
                     # Offered into a connection that is going away: hand the slot
                     # back now rather than after the lease TTL.
-                    self.machine.lease_ended(action.lease["lease_id"], None, self.clock.time_ms())
+                    self.machine.lease_ended(action.lease["lease_id"], None, self.s.clock.time_ms())
                     peers.tell(s, f"/leases/{action.lease['lease_id']}", ReleaseLease())
             elif isinstance(action, Subscribe):
                 peers.tell(s, "/registry", SubscribeMsg(self.worker_id, action.n, action.claim,
@@ -224,7 +224,7 @@ class SessionActor(Actor):
             # Its run did not come up (a /runs kill under load): the run
             # re-announces the slot when it is back; this session goes on.
             lease = None
-        await self._perform(self.machine.offered(spec, lease, self.clock.time_ms()))
+        await self._perform(self.machine.offered(spec, lease, self.s.clock.time_ms()))
 
     async def _expire(self) -> None:
         """Forget the worker: its registration goes, journals keep its id (one that
@@ -247,12 +247,12 @@ class SessionActor(Actor):
                      worker_id, self.s.config.worker_expiry_ms)
             self.stop()
         else:
-            self.machine.touch(self.clock.time_ms())
+            self.machine.touch(self.s.clock.time_ms())
 
     def _arm(self) -> None:
         due = self.machine.next_deadline()
         if due is None:
             self.cancel_timer("due")
             return
-        clock = self.clock
+        clock = self.s.clock
         self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())

@@ -73,7 +73,7 @@ class TimerActor(Actor):
         active run's actor is simply there), so nothing needs remembering
         beyond the cursor.
         """
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         rows = self.s.storage.scan(store.TIMERS, start=self.cursor, limit=BATCH)
         for i, (key, _) in enumerate(rows):
             due, run_id, _tag = parse_timer_key(key)
@@ -105,12 +105,12 @@ class TimerActor(Actor):
             self.cancel_timer("due")
             return
         due, _run_id, _tag = parse_timer_key(rows[0][0])
-        now = self.clock.time_ms()
+        now = self.s.clock.time_ms()
         if settle and due <= now:
             due = now + SETTLE_MS  # woken runs are still moving their entries
         self._arm_at(due)
 
     def _arm_at(self, due_ms: int) -> None:
-        clock = self.clock
+        clock = self.s.clock
         self.armed_for = due_ms
         self.arm_timer("due", clock.now() + max(0, due_ms - clock.time_ms()) / 1000.0, Due())

@@ -152,7 +152,9 @@ class _RunBase:
     def _journal(self, tr: Transition, now: int, type_: str, **fields: Any) -> None:
         self.record.seq += 1
         entry = {"seq": self.record.seq, "type": type_, "at": now}
-        entry.update({k: v for k, v in fields.items() if v is not None})
+        for k, v in fields.items():
+            if v is not None:
+                entry[k] = v
         tr.journal.append(entry)
 
     def _ctx(self, *, item: Any = MISSING, item_index: int | None = None) -> TemplateContext:
@@ -179,7 +181,7 @@ class _RunBase:
             body=step.body,
             item_index=slot.item_index,
             attempt=slot.attempt,
-            delivery=step.delivery.value,
+            delivery=step.delivery.text,
             timeout_ms=step.timeout_ms,
             idempotency_key=key,
             excluded_workers=tuple(slot.excluded),
@@ -280,7 +282,7 @@ class _RunBase:
             self._journal(tr, now, event, result=r.result)
         else:
             self._journal(tr, now, event, error=error)
-        tr.effects.append(RunEnded(r.run_id, status.value))
+        tr.effects.append(RunEnded(r.run_id, status.text))
         if r.parent is not None:
             tr.effects.append(NotifyParent(r.parent["run_id"], r.run_id))
 

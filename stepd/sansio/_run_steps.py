@@ -67,7 +67,7 @@ class _RunSteps(_RunBase):
         r.visits[step.id] = visit
         f = Frame(step_id=step.id, index=index, visit=visit)
         r.frame = f
-        self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.value,
+        self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.text,
                       visit=visit)
         if isinstance(step, TaskStep):
             try:

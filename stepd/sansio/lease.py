@@ -45,12 +45,15 @@ class LeaseStatus(IdentityEnum):
     FENCED = "fenced"  # superseded: recovered, timed out, or another lease ended the slot
     RUN_TERMINAL = "run_terminal"  # the run ended while this lease was live
 
-    @property
-    def live(self) -> bool:
-        return self in _LIVE
+    #: Offered, started or orphaned: a plain attribute per member, not a property.
+    live: bool
+
+    def __init__(self, value: str) -> None:
+        super().__init__(value)
+        self.live = value in ("offered", "started", "orphaned")
 
 
-_LIVE = frozenset({LeaseStatus.OFFERED, LeaseStatus.STARTED, LeaseStatus.ORPHANED})
+_LIVE = frozenset(s for s in LeaseStatus if s.live)
 
 
 class Op(IdentityEnum):
@@ -95,9 +98,9 @@ class LeaseRecord:
             "delivery": self.delivery,
             # `orphaned` is a timing state, not a durable one.
             "status": (
-                (LeaseStatus.STARTED if self.started else LeaseStatus.OFFERED).value
+                (LeaseStatus.STARTED if self.started else LeaseStatus.OFFERED).text
                 if self.status is LeaseStatus.ORPHANED
-                else self.status.value
+                else self.status.text
             ),
             "started": self.started,
             "offered_at": self.offered_at,
@@ -274,7 +277,7 @@ class LeaseMachine:
             self.recover_at = None
             actions.append(Revived())
         if op is Op.STARTED or op is Op.HEARTBEAT:
-            nxt = _step(r.status, op.value, r.lease_id)
+            nxt = _step(r.status, op.text, r.lease_id)
             assert nxt is not None
             r.status = nxt
             if op is Op.STARTED:

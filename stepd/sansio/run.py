@@ -70,6 +70,9 @@ from .events import (
 from .record import RunRecord, Slot, slot_key
 from .status import LIVE_PHASES, RunStatus, SlotPhase
 
+#: A slot in one of these phases moves without a timer, signal or child: queued, offered, started.
+_MOVING_PHASES = LIVE_PHASES | {SlotPhase.QUEUED}
+
 __all__ = [
     "ALWAYS_RETRIED",
     "DEFAULT_MAX_CHILD_DEPTH",
@@ -220,7 +223,10 @@ class RunMachine(_RunEvents):
         f = r.frame
         if f is None:
             return True
-        return not any(s.phase in LIVE_PHASES or s.phase is SlotPhase.QUEUED for s in f.slots)
+        for s in f.slots:  # a loop, not any(genexpr): this runs several times per step
+            if s.phase in _MOVING_PHASES:
+                return False
+        return True
 
 
     # ------------------------------------------------------------------ dispatch
@@ -260,7 +266,7 @@ class RunMachine(_RunEvents):
         return {
             "run_id": r.run_id,
             "workflow": r.workflow,
-            "status": r.status.value,
+            "status": r.status.text,
             "definition_version": r.version,
             "definition_hash": r.definition_hash,
             "idempotency_key": r.idempotency_key,

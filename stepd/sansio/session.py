@@ -181,7 +181,8 @@ class SessionMachine:
 
     def next_deadline(self) -> int | None:
         """When `tick` has something to do: the earliest claim deadline, or the expiry."""
-        due = min((c.deadline for c in self.claims.values()), default=None)
+        # Read after every message: no generator over an empty dict (the push path has no claims).
+        due = min([c.deadline for c in self.claims.values()]) if self.claims else None
         if self.idle() and self.expiry_ms > 0:
             expiry = self.last_active + self.expiry_ms
             due = expiry if due is None else min(due, expiry)

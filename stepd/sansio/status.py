@@ -19,14 +19,16 @@ class RunStatus(IdentityEnum):
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"
 
-    @property
-    def terminal(self) -> bool:
-        return self in _TERMINAL
+    #: Completed, failed, cancelled or timed out: a plain attribute per member
+    #: (read several times per step), not a property.
+    terminal: bool
+
+    def __init__(self, value: str) -> None:
+        super().__init__(value)
+        self.terminal = value in ("completed", "failed", "cancelled", "timed_out")
 
 
-_TERMINAL = frozenset(
-    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT}
-)
+_TERMINAL = frozenset(s for s in RunStatus if s.terminal)
 TERMINAL_STATUSES = _TERMINAL
 
 
