@@ -77,10 +77,10 @@ class RunOps(ApiBase):
         if idempotency_key is not None:
             taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
             if isinstance(taken, dict):
-                existing = str(taken["run_id"])
+                known = str(taken["run_id"])
                 if entry is not None:
-                    await self.storage.write(store.audit_only_txn, entry, existing, 200)
-                return existing, False
+                    await self.storage.write(store.audit_only_txn, entry, known, 200)
+                return known, False
         definition = self.catalog.resolve(workflow, version)
         if definition is None:
             what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
@@ -103,7 +103,7 @@ class RunOps(ApiBase):
         )
         s.creating[run_id] = 0
         try:
-            existing = await self.storage.write(store.apply_txn, w)
+            existing: str | None = await self.storage.write(store.apply_txn, w)
             if existing is not None:
                 return existing, False
             await self._activate_created(run_id, w, machine, tr)
