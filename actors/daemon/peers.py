@@ -13,14 +13,23 @@ imports no actor class and no actor module imports another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from stepd.actors import ActorDead, ActorNotFound, ActorRef, ChildExists, StartFailed
+from stepd.actors import (
+    Actor,
+    ActorDead,
+    ActorNotFound,
+    ActorRef,
+    ChildExists,
+    ChildSpec,
+    StartFailed,
+)
 from stepd.sansio.errors import Fenced, NotFound, Unavailable
 
-from .messages import Announce, EndLease, ReturnSpecs, TimerIndexChanged, WithdrawSlots
+from .messages import Announce, Due, EndLease, ReturnSpecs, TimerIndexChanged, WithdrawSlots
 from .services import Services
 
 __all__ = [
@@ -71,24 +80,38 @@ def tell_ref(ref: ActorRef, message: Any) -> bool:
         return False
 
 
-async def ensure_session(s: Services, worker_id: str) -> ActorRef:
-    """The worker's session actor, started if it has none.
+async def _running(s: Services, parent: str, name: str, spec: Callable[[], ChildSpec],
+                   missing: str) -> ActorRef:
+    """The actor at ``parent/name``, started from ``spec()`` if it is not running.
 
-    Raises:
-        ActorDead: the sessions supervisor is restarting.
+    Its `on_start` raising LookupError means there is nothing on record to run:
+    NotFound(`missing`). Any other failed start is a start cut short (a kill, a
+    sibling restarting): ActorDead, which the callers retry a bounded number of
+    times (a run failing for its own reasons is bounded by its crash count).
     """
-    path = f"/sessions/{worker_id}"
+    path = f"{parent}/{name}"
     ref = s.system.find(path)
     if ref is not None and ref.alive:
         return ref
     try:
-        return await s.system.supervisor("/sessions").start_child(s.session_spec(worker_id))
+        return await s.system.supervisor(parent).start_child(spec())
     except ChildExists:
         return s.system.resolve(path)
     except StartFailed as exc:
         if isinstance(exc.__cause__, LookupError):
-            raise NotFound(f"worker {worker_id!r} is not registered") from exc
+            raise NotFound(missing) from exc
         raise ActorDead(path, exc.__cause__) from exc
+
+
+async def ensure_session(s: Services, worker_id: str) -> ActorRef:
+    """The worker's session actor, started if it has none.
+
+    Raises:
+        NotFound: the worker is not registered.
+        ActorDead: the sessions supervisor is restarting.
+    """
+    return await _running(s, "/sessions", worker_id, lambda: s.session_spec(worker_id),
+                          f"worker {worker_id!r} is not registered")
 
 
 def registry(s: Services) -> ActorRef:
@@ -156,22 +179,9 @@ async def activate_run(s: Services, run_id: str, initial: Any = None, *,
         NotFound: no such run.
         ActorDead: a supervisor it needs is restarting (callers retry).
     """
-    path = f"/runs/{run_id}"
-    ref = s.system.find(path)
-    if ref is not None and ref.alive:
-        return ref
-    try:
-        return await s.system.supervisor("/runs").start_child(
-            s.run_spec(run_id, initial, expect_message))
-    except ChildExists:
-        return s.system.resolve(path)
-    except StartFailed as exc:
-        if isinstance(exc.__cause__, LookupError):
-            raise NotFound(f"run {run_id!r} not found") from exc
-        # Anything else is its start cut short (a /runs kill, a sibling that is
-        # restarting): the callers retry, a bounded number of times. A run whose
-        # start fails for its own reasons is bounded by its durable crash count.
-        raise ActorDead(path, exc.__cause__) from exc
+    return await _running(s, "/runs", run_id,
+                          lambda: s.run_spec(run_id, initial, expect_message),
+                          f"run {run_id!r} not found")
 
 
 async def wake_run(s: Services, run_id: str, message: Any = None, *,
@@ -230,3 +240,14 @@ def supervisors_alive(s: Services) -> bool:
         return bool(s.system.resolve("/runs").alive and s.system.resolve("/leases").alive)
     except ActorNotFound:
         return False
+
+
+def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:
+    """Arm `actor`'s ``"due"`` timer for the wall-clock deadline `due_ms` (the
+    machines speak milliseconds; actor timers the loop's clock), or cancel it
+    when there is none. A deadline already past fires at once."""
+    if due_ms is None:
+        actor.cancel_timer("due")
+        return
+    clock = s.clock
+    actor.arm_timer("due", clock.now() + max(0, due_ms - clock.time_ms()) / 1000.0, Due())

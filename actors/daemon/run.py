@@ -531,9 +531,5 @@ class RunActor(Actor):
 
     def _arm_at(self, due: int | None) -> None:
         """Arm (or cancel) the timer of the machine's next deadline, `due`."""
-        if due is None:
-            self.cancel_timer("due")
-            return
-        clock = self.s.clock
-        self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())
+        peers.arm_due(self.s, self, due)
 

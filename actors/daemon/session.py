@@ -250,9 +250,4 @@ class SessionActor(Actor):
             self.machine.touch(self.s.clock.time_ms())
 
     def _arm(self) -> None:
-        due = self.machine.next_deadline()
-        if due is None:
-            self.cancel_timer("due")
-            return
-        clock = self.s.clock
-        self.arm_timer("due", clock.now() + max(0, due - clock.time_ms()) / 1000.0, Due())
+        peers.arm_due(self.s, self, self.machine.next_deadline())

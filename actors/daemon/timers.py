@@ -111,6 +111,5 @@ class TimerActor(Actor):
         self._arm_at(due)
 
     def _arm_at(self, due_ms: int) -> None:
-        clock = self.s.clock
         self.armed_for = due_ms
-        self.arm_timer("due", clock.now() + max(0, due_ms - clock.time_ms()) / 1000.0, Due())
+        peers.arm_due(self.s, self, due_ms)
