@@ -71,7 +71,8 @@ CONFLICTS: dict[str, type[Conflict]] = {
 
 
 class LeaseMemo:
-    """What a lease's incarnations hand on to each other (its child spec holds it).
+    """What a lease's incarnations hand on to each other (`Services.lease_memos` holds
+    it, across rebuilds from new child specs too).
 
     Only the time of the last call: nothing durable, but what keeps a killed
     lease actor's successor from granting a dead worker a fresh TTL.
@@ -108,9 +109,9 @@ class LeaseActor(Actor):
         # A lease just offered expires a TTL after the offer (its actor may start
         # a little later). One rebuilt after a daemon restart gets a full TTL from
         # now (nothing in memory says when its worker last called). One whose
-        # actor was killed in this process keeps its expiry: counted from the
-        # last call the engine saw, so killing it again and again cannot keep a
-        # dead worker's lease alive forever.
+        # actor was killed, or rebuilt after its supervisor restarted, in this
+        # process keeps its expiry: counted from the last call seen, so killing
+        # it again and again cannot keep a dead worker's lease alive forever.
         if self._fresh:
             since = record.offered_at
         elif self._restarted:
@@ -122,6 +123,7 @@ class LeaseActor(Actor):
             now=since,
         )
         if not record.status.live:
+            e.lease_memos.pop(record.lease_id, None)
             self.stop()
             return
         self._arm()
@@ -129,6 +131,7 @@ class LeaseActor(Actor):
     def _end(self, reason: str | None) -> None:
         """The lease is over: its session hears it (a cancel if `reason`), then stop."""
         rec = self.machine.record
+        self.s.lease_memos.pop(rec.lease_id, None)
         peers.tell(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
         self.stop()
 
@@ -154,6 +157,7 @@ class LeaseActor(Actor):
                 self.machine.end(status, self.s.clock.time_ms())
                 self._end(message.reason)
             else:
+                self.s.lease_memos.pop(self.machine.record.lease_id, None)
                 self.stop()
             return None
         raise TypeError(f"lease actor: unexpected message {message!r}")

@@ -153,6 +153,13 @@ class Services:
     #: and a start that then handed its stale machine to a new incarnation would
     #: write over what that one journaled (the campaign's /runs kills found it).
     creating: dict[str, int] = field(default_factory=dict)
+    #: Lease id -> its `LeaseMemo` (the time of its last call), for as long as the
+    #: lease lives in this process. Held here, not only in a child spec, because a
+    #: /leases or /registry restart rebuilds every lease actor from a new spec:
+    #: with a memo per spec, each rebuild granted a dead worker's lease a full TTL
+    #: from now, and kills a TTL apart kept it alive forever (examples/chaos.py
+    #: found 7 leases of a SIGKILLed worker never orphaned in 50 s).
+    lease_memos: dict[str, Any] = field(default_factory=dict)
     #: The child specs of a run actor (run id, its freshly started machine or
     #: None, whether a message is on its way) and of a lease actor (record,
     #: fresh offer): set where the tree is built, so `peers` starts actors

@@ -65,7 +65,11 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
         return ChildSpec(run_id, start, restart=Restart.TRANSIENT)
 
     def lease_spec(record: Any, fresh: bool) -> ChildSpec:
-        memo = LeaseMemo()
+        # One memo per lease for as long as this process knows it, across its
+        # actors' rebuilds too (recovery after a /leases or /registry restart).
+        memo = s.lease_memos.get(record.lease_id)
+        if memo is None:
+            memo = s.lease_memos[record.lease_id] = LeaseMemo()
         return ChildSpec(record.lease_id, lambda: LeaseActor(s, record, memo, fresh=fresh),
                          restart=Restart.TRANSIENT)
 

@@ -216,6 +216,24 @@ async def test_each_attempt_goes_to_exactly_one_of_four_racing_workers(engine: D
     assert [engine.status(r)["result"] for r in runs] == [list(range(25))] * 4
 
 
+async def test_rebuilding_lease_actors_again_and_again_cannot_keep_a_dead_workers_lease(
+        engine: Daemon, clock: ManualClock) -> None:
+    # A /leases kill rebuilds every lease actor from a new child spec. Each
+    # rebuild used to grant a full TTL from now, so kills less than a TTL apart
+    # kept a SIGKILLed worker's lease alive forever (examples/chaos.py).
+    wid = await worker(engine, one())
+    run_id, _ = await engine.start_run("one")
+    lease = await claim_one(engine, wid)
+    await engine.lease_call(lease["lease_id"], Op.STARTED, {})  # its last call
+    for gap in (20.0, 5.0):  # rebuilt at 20 s and at 25 s after its last call
+        await settle_time(clock, gap)
+        await engine.kill("/leases")
+        await eventually(lambda: engine.live_leases() == 1, what="the lease actor rebuilt")
+    await settle_time(clock, 6.0)  # 31 s after its last call: past the 30 s TTL
+    await eventually(lambda: "step_orphaned" in journal_types(engine, run_id),
+                     what="the dead worker's lease orphaned 30 s after its last call")
+
+
 async def test_a_restart_keeps_live_leases_alive_for_a_full_ttl(tmp_path: Path) -> None:
     clock = ManualClock(wall_ms=T0)
     path = str(tmp_path / "data")
