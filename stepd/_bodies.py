@@ -82,10 +82,11 @@ class Active:
 
     __slots__ = ("beat_scope", "beating", "body", "born_at", "born_tick", "ctx", "finished",
                  "in_body", "lease", "outcome", "poke", "poke_pending", "reported", "scope",
-                 "started_done", "started_on", "started_state")
+                 "started_done", "started_on", "started_state", "sticky_cursor")
 
     def __init__(self, lease: dict[str, Any], ctx: StepContext, body: Body, scope: Any) -> None:
         self.lease = lease
+        self.sticky_cursor: dict[str, Any] | None = None  # what this lease's complete reports
         self.ctx = ctx
         self.body = body
         self.scope = scope  # the runner's cancel scope the body runs in

@@ -73,6 +73,8 @@ class LeaseCalls:
 
         def _run_over(self, run_id: str) -> None: ...
 
+        def _sticky_complete(self, active: Active, body: dict[str, Any]) -> None: ...
+
 
     async def _call(self, op: str, lease_id: str, body: dict[str, Any], *,
                     give_up_s: float | None = None, after: Active | None = None,
@@ -175,6 +177,7 @@ class LeaseCalls:
             return  # fenced, run over, or unknown: post nothing more
         if outcome[0] == "ok":
             op, body = "complete", ctx._completion(outcome[1])
+            self._sticky_complete(active, body)
         elif reason == "shutdown":
             op, body = "fail", {"error": {
                 "class": "retryable",

@@ -107,6 +107,10 @@ class LeaseProtocol(LeaseCalls):
 
         def _body_ends(self, active: Active) -> None: ...
 
+        async def _sticky_history(self, active: Active) -> None: ...
+
+        def _sticky_forget(self, run_id: str) -> None: ...
+
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
@@ -164,6 +168,7 @@ class LeaseProtocol(LeaseCalls):
         for active in list(self._active.values()):
             if active.ctx.run_id == run_id:
                 self._cancel_active(active, "run_terminal")
+        self._sticky_forget(run_id)
 
     def _run_is_over(self, run_id: str) -> bool:
         expiry = self._terminal_runs.get(run_id)
@@ -270,6 +275,15 @@ class LeaseProtocol(LeaseCalls):
         ctx._host = self
         active = runner.active = Active(lease, ctx, body, runner.scope)
         self._active[lease_id] = active
+        if "sticky" in lease:
+            # The history before anything else: a lease whose history cannot be had
+            # (fenced, the run over) is treated as a refused `started`.
+            try:
+                await self._sticky_history(active)
+            except (StepdError, Lost, Unencodable) as exc:
+                self._started_refused(active, exc)
+                await self._after_body(runner, active, _CANCELLED)
+                return
         if lease.get("delivery") == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
             await self._started(active)

@@ -76,6 +76,7 @@ from stepd._errors import Invalid
 from stepd._heartbeats import Heartbeats
 from stepd._leases import LeaseProtocol
 from stepd._serving import Serving
+from stepd._sticky import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_TTL_S, StickyHistory
 from stepd.actors import Waiter, current_time
 from stepd.workflow import Workflow
 
@@ -111,7 +112,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -128,6 +129,14 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
             ``"websocket"`` or ``"http"``. Ignored for an embedded daemon.
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
+        worker_id: register as this already registered worker (a replacement
+            process taking over its identity: its leases, its sticky routing).
+        sticky_cache_capacity: runs whose history the sticky cache keeps; 0
+            (the default) turns sticky execution off (docs/affinity.md).
+        sticky_cache_bytes: the most encoded history bytes the cache keeps.
+        sticky_cache_ttl: seconds an entry is kept after it was stored.
+        sticky_schedule_ms: how long the daemon holds a run's next step for
+            this worker when it ran the previous one (None: the daemon's 5000).
 
     Attributes:
         running: leases held now (bodies running, or being reported).
@@ -148,6 +157,11 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
         transport: str = "auto",
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
+        worker_id: str | None = None,
+        sticky_cache_capacity: int = 0,
+        sticky_cache_bytes: int = DEFAULT_CACHE_BYTES,
+        sticky_cache_ttl: float = DEFAULT_CACHE_TTL_S,
+        sticky_schedule_ms: int | None = None,
     ) -> None:
         from stepd.channels.http import base_url
         from stepd.client import AsyncClient, Client
@@ -180,7 +194,13 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
         self.build_id = build_id
         self.transport_choice = transport
         self.grace = float(grace)
-        self.worker_id: str | None = None
+        if worker_id is not None and (not isinstance(worker_id, str)
+                                      or not worker_id.startswith("w_")):
+            raise Invalid("must be a worker id returned by an earlier register (w_...)",
+                          field="worker_id")
+        self.worker_id: str | None = worker_id
+        self._init_sticky(sticky_cache_capacity, sticky_cache_bytes, sticky_cache_ttl,
+                          sticky_schedule_ms)
         self._defs: dict[tuple[str, str | None], Definition] = {}
 
         # Thread-safe control (stop() from any thread).

@@ -355,6 +355,8 @@ def parse_register(body: Any) -> dict[str, Any]:
             entry = _obj(_required(manifest, cap, "manifest"), f"manifest.{cap}")
             if entry.get("status", _MISSING) not in ("supported", "rejected"):
                 raise Invalid('must be "supported" or "rejected"', field=f"manifest.{cap}.status")
+            if cap == "sticky":
+                _manifest_sticky(entry)
         out["manifest"] = manifest
     return out
 
@@ -390,7 +392,7 @@ def parse_heartbeat(body: Any) -> dict[str, Any]:
 def parse_complete(body: Any) -> dict[str, Any]:
     """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``)."""
     b = _body(body)
-    _closed(b, frozenset({"output", "state_patch", "usage", "spans"}), "")
+    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "sticky"}), "")
     state_patch = b.get("state_patch")
     if state_patch is not None and not isinstance(state_patch, dict):
         raise Invalid("must be an object or null", field="state_patch")
@@ -402,7 +404,54 @@ def parse_complete(body: Any) -> dict[str, Any]:
         "state_patch": state_patch,
         "usage": _usage(b.get("usage"), "usage"),
         "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
+        **({"sticky": _sticky_report(b["sticky"])} if "sticky" in b else {}),
     }
+
+
+STICKY_COUNTS: Final = ("hit", "miss", "eviction", "forced_cold_replay")
+_HASH: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def _sticky_report(value: Any) -> dict[str, Any]:
+    """``StickyReport``: the cursor the worker cached (docs/affinity.md "Sticky execution")
+    and its cache counts; the identity is checked by the daemon against the lease."""
+    b = _obj(value, "sticky")
+    _closed(b, frozenset({"cursor", "stats"}), "sticky")
+    out: dict[str, Any] = {"cursor": None, "stats": None}
+    if b.get("cursor") is not None:
+        c = _obj(b["cursor"], "sticky.cursor")
+        _closed(c, frozenset({"seq", "hash", "workflow", "run_id", "build_id"}), "sticky.cursor")
+        build = c.get("build_id")
+        out["cursor"] = {
+            "seq": check_int(_required(c, "seq", "sticky.cursor"), "sticky.cursor.seq",
+                             minimum=0),
+            "hash": _pattern(_required(c, "hash", "sticky.cursor"), "sticky.cursor.hash", _HASH,
+                             "64 lowercase hex digits", 64),
+            "workflow": check_name(_required(c, "workflow", "sticky.cursor"),
+                                   "sticky.cursor.workflow"),
+            "run_id": _pattern(_required(c, "run_id", "sticky.cursor"), "sticky.cursor.run_id",
+                               RUN_ID, "a run id (r_...)", 400),
+            "build_id": None if build is None else check_name(build, "sticky.cursor.build_id"),
+        }
+    if b.get("stats") is not None:
+        st = _obj(b["stats"], "sticky.stats")
+        _closed(st, frozenset(STICKY_COUNTS), "sticky.stats")
+        out["stats"] = {k: check_int(st.get(k, 0), f"sticky.stats.{k}", minimum=0)
+                        for k in STICKY_COUNTS}
+    return out
+
+
+_STICKY_SETTINGS: Final = {"capacity": (1, 1_000_000), "max_bytes": (1, 1 << 40),
+                           "ttl_ms": (1, 1 << 40), "schedule_ms": (0, 3_600_000)}
+
+
+def _manifest_sticky(entry: dict[str, Any]) -> None:
+    """A supported ``manifest.sticky`` may state the worker's cache settings
+    (``capacity``, ``max_bytes``, ``ttl_ms``) and its ``schedule_ms``."""
+    _closed(entry, frozenset({"status", *_STICKY_SETTINGS}), "manifest.sticky")
+    for key, (low, high) in _STICKY_SETTINGS.items():
+        if key in entry:
+            check_int(entry[key], f"manifest.sticky.{key}", minimum=low, maximum=high)
 
 
 def parse_fail(body: Any) -> dict[str, Any]:

@@ -131,6 +131,7 @@ _LEASE_ROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
         ("fail", Operation.FAIL),
     )
 }
+_LEASE_ROUTES["history"] = ("/v1/api/steps/{lease}/history", {"GET": Operation.HISTORY})
 _RUN_ROUTE: Final[tuple[str, dict[str, Handler]]] = (
     "/v1/api/runs/{run}", {"GET": Operation.GET_RUN})
 _RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {

@@ -93,6 +93,11 @@ class InProcess:
         """``POST /v1/api/steps/{lease}/fail`` (returns once durable)."""
         return await self._call(Operation.FAIL, target=lease_id, body=body)
 
+    async def history(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``GET /v1/api/steps/{lease}/history`` (docs/affinity.md "Sticky execution")."""
+        return await self._call(Operation.HISTORY, target=lease_id,
+                                body=NO_BODY if not body else body)
+
     # -- runs ------------------------------------------------------------------------------
 
     async def start_run(self, body: dict[str, Any]) -> dict[str, Any]:

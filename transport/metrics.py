@@ -519,6 +519,7 @@ class DaemonMetrics:
     live_leases: Gauge
     waiting_claims: Gauge
     connected_workers: Gauge
+    worker_sticky: Gauge
     step_schedule_to_start_seconds: Histogram
     run_to_complete_seconds: Histogram
     commit_batch_size: Histogram
@@ -543,6 +544,12 @@ def daemon_metrics(registry: Registry) -> DaemonMetrics:
         ),
         connected_workers=registry.gauge(
             "stepd_connected_workers", "Workers with an open WebSocket or a claim in flight."
+        ),
+        worker_sticky=registry.gauge(
+            "stepd_worker_sticky_cache",
+            "A sticky worker's cache counts as its last complete reported them (cumulative "
+            "per worker process): hit, miss, eviction, forced_cold_replay.",
+            ("worker_id", "event"),
         ),
         step_schedule_to_start_seconds=registry.histogram(
             "stepd_step_schedule_to_start_seconds",

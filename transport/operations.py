@@ -56,6 +56,7 @@ class Operation(IdentityEnum):
     HEARTBEAT = "heartbeat"
     COMPLETE = "complete"
     FAIL = "fail"
+    HISTORY = "history"
     START_RUN = "start_run"
     LIST_RUNS = "list_runs"
     GET_RUN = "get_run"
@@ -149,6 +150,11 @@ def _lease_op(op: Op, parse: Callable[[Any], dict[str, Any]]) -> Handler:
 
     handler.__name__ = f"_{op.value}"
     return handler
+
+
+async def _history(p: Context, r: Request) -> Reply:
+    parse_started(r.body)  # no body, or {}
+    return Reply(200, await p.daemon.history(r.target, caller=r.worker_id))
 
 
 # --------------------------------------------------------------------------- runs
@@ -290,6 +296,7 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
     Operation.COMPLETE: OperationSpec(_W, None, "lease", "required",
                                       _lease_op(Op.COMPLETE, parse_complete)),
     Operation.FAIL: OperationSpec(_W, None, "lease", "required", _lease_op(Op.FAIL, parse_fail)),
+    Operation.HISTORY: OperationSpec(_W, None, "lease", "optional", _history),
     Operation.START_RUN: OperationSpec(_E, _act.RUNS_START, None, "required", _start_run,
                                        in_txn=True, mutation=True),
     Operation.LIST_RUNS: OperationSpec(_R, _act.RUNS_LIST, None, "none", _list_runs),

@@ -48,6 +48,7 @@ from stepd.storage import StorageClosed
 
 from ._validate import (
     MAX_CLAIM,
+    STICKY_COUNTS,
     NO_BODY,
     copy_json,
     decode_json,
@@ -444,7 +445,11 @@ class Protocol:
             m.waiting_claims.set(stats.waiting_claims)
         except (ActorDead, ActorNotFound, Unavailable):
             log.debug("/registry is restarting: stepd_waiting_claims keeps its last value")
-        m.connected_workers.set(sum(1 for w in await e.workers() if w["connected"]))
+        workers = await e.workers()
+        m.connected_workers.set(sum(1 for w in workers if w["connected"]))
+        sticky = {(w["worker_id"], event): w["sticky"][event] for w in workers
+                  if w.get("sticky") for event in STICKY_COUNTS}
+        m.worker_sticky.set_function(lambda: sticky)
         _drain_into(e.stats.run_to_complete, m.run_to_complete_seconds.observe)
         _drain_into(e.stats.schedule_to_start, m.step_schedule_to_start_seconds.observe)
         # Batch sizes: the storage counts batches per power-of-two size bucket;

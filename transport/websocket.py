@@ -14,7 +14,8 @@ echoes::
     <- {"op": "registered", "id": 1, ...register answer}
     -> {"op": "credit", "n": 8}
     <- {"op": "lease", "lease": Lease}                      (pushed, one credit each)
-    -> {"op": "started" | "heartbeat" | "complete" | "fail", "id": 7, "lease_id": "...", ...body}
+    -> {"op": "started" | "heartbeat" | "complete" | "fail" | "history", "id": 7,
+        "lease_id": "...", ...body}
     <- {"op": "ok", "id": 7, ...answer}
      | {"op": "conflict", "id": 7, "reason": R, "message": "..."}
      | {"op": "error", "id": 7, "status": 400, "message": "...", "field": "..."}
@@ -110,6 +111,7 @@ _LEASE_OPS: Final = {
     "heartbeat": Operation.HEARTBEAT,
     "complete": Operation.COMPLETE,
     "fail": Operation.FAIL,
+    "history": Operation.HISTORY,
 }
 _ENVELOPE: Final = frozenset({"op", "id", "lease_id"})
 _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
@@ -435,7 +437,8 @@ class WorkerConnection:
             return
         if op not in _LEASE_OPS and op not in ("register", "credit"):
             await self._push(_error_frame(frame_id, Invalid(
-                "must be register, credit, started, heartbeat, complete or fail", field="op")))
+                "must be register, credit, started, heartbeat, complete, fail or history",
+                field="op")))
             return
         if not _is_id(frame_id):
             await self._push(_error_frame(None, Invalid("a request needs an integer id",

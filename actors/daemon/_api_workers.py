@@ -29,13 +29,16 @@ from .messages import (
     ClaimSlots,
     Detach,
     Grant,
+    History,
     LeaseCall,
     RegisterWorker,
     ReleaseLease,
+    Reload,
     SessionInfo,
 )
 from .registry import WorkerInfo
 from .session import Outbox
+from .sticky import settings_of
 from .workers import PROTOCOL_VERSION, check_capabilities, negotiate
 
 __all__ = ["Connection", "WorkerOps"]
@@ -122,12 +125,15 @@ class WorkerOps(ApiBase):
         name = name or f"worker-{worker_id[-6:].lower()}"
         keys = sorted({(d.name, d.version, step.body) for d in parsed for step in d.steps
                        if hasattr(step, "body")}, key=str)
-        info = {
+        info: dict[str, Any] = {
             "worker_id": worker_id, "name": name, "build_id": build_id,
             "protocol_version": negotiated, "concurrency": concurrency,
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
         }
+        sticky = settings_of(negotiated, capabilities or [], manifest)
+        if sticky is not None:
+            info["sticky"] = sticky
 
         def txn(t: Any) -> list[Any]:
             added = register_txn(t, parsed, now)
@@ -139,7 +145,9 @@ class WorkerOps(ApiBase):
         # A registry that is restarting reloads this worker from the table.
         peers.tell(self.services, "/registry", RegisterWorker(worker_id, name, frozenset(keys)))
         try:
-            await peers.ensure_session(self.services, worker_id)
+            session = await peers.ensure_session(self.services, worker_id)
+            # A session already running read the worker's earlier registration.
+            await session.tell(Reload())
         except ActorDead:
             pass  # /sessions is restarting: recovery starts a session for every worker
         return {
@@ -283,6 +291,31 @@ class WorkerOps(ApiBase):
             await anyio.sleep(0.001 * (attempt + 1))
         raise Unavailable(f"lease {lease_id} is being recovered; retry")
 
+    async def history(self, lease_id: str, *, caller: str | None = None) -> dict[str, Any]:
+        """GET /v1/api/steps/{lease}/history: the run's full durable history and its cursor,
+        for the worker holding this live lease (docs/affinity.md "Sticky execution").
+
+        Raises:
+            NotFound: an unknown lease (or one another worker holds, when `caller` is known).
+            Fenced, RunTerminal, AlreadyApplied: the lease is no longer live (409).
+        """
+        pair = self.storage.read(store.lease_and_run_txn, lease_id)
+        if pair is None:
+            # The offer is written behind: a lease handed out a moment ago may not be
+            # on record yet (as `lease_call`).
+            await self.storage.write(store.barrier_txn)
+            pair = self.storage.read(store.lease_and_run_txn, lease_id)
+        if pair is None or (caller is not None and pair[0].get("worker_id") != caller):
+            raise NotFound(f"lease {lease_id!r} not found")
+        lease = pair[0]
+        if lease.get("status") not in ("offered", "started"):
+            reason = "already_applied" if lease.get("status") in ("completed", "failed") \
+                else "fenced"
+            raise CONFLICTS[reason](f"lease {lease_id}: {reason}")
+        answer = await peers.ask_run(self.services, lease["run_id"], History(
+            lease_id, lease["step_id"], lease.get("item_index"), lease["fence"]))
+        return dict(answer)
+
     def release(self, lease_id: str) -> None:
         """Give back a lease that never reached its worker (a dead connection, a lost
         claim answer): if it has not started, its slot is queued again at once, same
@@ -319,6 +352,7 @@ class WorkerOps(ApiBase):
                 "connected": bool(info["connected"]),
                 "last_heartbeat_at": info["last_active"],
                 "leases": leases,
+                "sticky": _sticky_view(raw.get("sticky"), info.get("sticky")),
             })
         out.sort(key=lambda w: (not w["connected"], -(w["last_heartbeat_at"] or 0)))
         return out
@@ -334,6 +368,14 @@ class WorkerOps(ApiBase):
                  "registered_at": reg.registered_at, "definition": reg.definition.to_json(),
                  "worker_ids": sorted(held.get((name, reg.definition.version), ()))}
                 for name in self.catalog.names() for reg in self.catalog.versions(name)]
+
+
+def _sticky_view(settings: Any, counts: Any) -> dict[str, Any] | None:
+    """A worker's sticky settings and cache counts (docs/affinity.md); None: not sticky."""
+    if not isinstance(settings, dict):
+        return None
+    zero = {"hit": 0, "miss": 0, "eviction": 0, "forced_cold_replay": 0}
+    return {**settings, **(counts if isinstance(counts, dict) else zero)}
 
 
 def _own_outcome(lease_raw: dict[str, Any], op: Op, token: int) -> bool:

@@ -59,8 +59,10 @@ from .messages import (
     LeaseCall,
     LeaseEnded,
     ReleaseLease,
+    StickyReport,
 )
 from .services import Services
+from .sticky import check_completion
 
 CONFLICTS: dict[str, type[Conflict]] = {
     "already_applied": AlreadyApplied,
@@ -172,6 +174,12 @@ class LeaseActor(Actor):
         reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
+        claim = None
+        report = (call.body or {}).get("sticky") if call.op is Op.COMPLETE else None
+        if report is not None:
+            # The protocol boundary (AFFINITY.md): refused whole before anything applies.
+            raw = self.s.storage.get(store.WORKERS, rec.worker_id)
+            claim = check_completion(raw, rec.run_id, report["cursor"])
         now = self.s.clock.time_ms()
         self._memo.touched = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
@@ -188,7 +196,7 @@ class LeaseActor(Actor):
         elif call.op is Op.COMPLETE:
             event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
                                      body.get("state_patch"), body.get("usage"),
-                                     body.get("spans"))
+                                     body.get("spans"), claim)
             final = LeaseStatus.COMPLETED
         else:
             event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],
@@ -217,6 +225,8 @@ class LeaseActor(Actor):
             raise
         if final is not None:
             m.end(final, now)
+            if report is not None and report["stats"] is not None:
+                peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(report["stats"]))
             self._end(None)
         else:
             self._arm()

@@ -25,6 +25,7 @@ from typing import Any
 
 from stepd.sansio.events import AttemptSpec
 from stepd.sansio.lease import Op
+from stepd.sansio.sticky import StickyWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class Offer:
     spec: AttemptSpec
     worker_id: str
     worker_name: str
+    sticky: StickyWorker | None = None  # the worker declared sticky execution
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +258,28 @@ class Touch:
 @dataclass(frozen=True, slots=True)
 class Resubscribe:
     """The registry restarted: subscribe again with what this session still takes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """The worker registered again: read its registration anew (build id, sticky settings)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StickyReport:
+    """A worker's sticky cache counts, as its last ``complete`` reported them (cumulative)."""
+
+    counts: Any  # dict[str, int]: hit, miss, eviction, forced_cold_replay
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """GET /v1/api/steps/{lease}/history: the run's full history, fenced to this live lease."""
+
+    lease_id: str
+    step_id: str
+    item_index: int | None
+    fence: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from stepd.sansio.events import AttemptSpec
 from . import peers
 from .messages import (
     Announce,
+    Due,
     ForgetWorkers,
     RegisterWorker,
     RegistryStats,
@@ -90,6 +91,8 @@ class RegistryActor(Actor):
         #: Subscriptions in arrival order (the first that serves a slot gets it).
         self.waiting: list[_Sub] = []
         self._subs: dict[tuple[str, int | None], _Sub] = {}
+        #: The earliest time a sticky preference held back a slot (its timer is armed).
+        self._lapse: int | None = None
 
     async def on_start(self) -> None:
         for info in self._load_workers():
@@ -123,6 +126,11 @@ class RegistryActor(Actor):
                 self.workers.pop(wid, None)
                 self._unsubscribe(Unsubscribe(wid, all=True))
             return None
+        if isinstance(message, Due):
+            # A sticky preference lapsed: offer what it held back to whoever waits.
+            self._lapse = None
+            self._rematch()
+            return None
         if isinstance(message, RegistryStats):
             claims = sum(1 for sub in self.waiting if sub.claim is not None)
             return Stats(len(self.workers), len(self.queued), claims)
@@ -136,6 +144,16 @@ class RegistryActor(Actor):
             return False
         if sub.run_id is not None and sub.run_id != spec.run_id:
             return False
+        if spec.prefer is not None and spec.prefer != sub.worker_id \
+                and spec.prefer in self.workers and spec.prefer_until is not None:
+            # Sticky execution (AFFINITY.md): the slot waits for the worker that ran
+            # the run's previous step until its preference lapses, then goes to anyone.
+            until = spec.prefer_until
+            if self.s.clock.time_ms() < until:
+                if self._lapse is None or until < self._lapse:
+                    self._lapse = until
+                    peers.arm_due(self.s, self, until)
+                return False
         return sub.worker_id not in spec.excluded_workers
 
     def _hand(self, sub: _Sub, spec: AttemptSpec) -> bool:

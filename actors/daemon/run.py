@@ -49,6 +49,7 @@ from .messages import (
     AttemptNote,
     CancelRun,
     Due,
+    History,
     IdleCheck,
     InboxChanged,
     Offer,
@@ -287,6 +288,9 @@ class RunActor(Actor):
             return None
         if isinstance(message, IdleCheck):
             return None
+        if isinstance(message, History):
+            return self.machine.history(message.lease_id, message.step_id, message.item_index,
+                                        message.fence)
         raise TypeError(f"run actor: unexpected message {message!r}")
 
     # ------------------------------------------------------------------ handlers
@@ -305,7 +309,8 @@ class RunActor(Actor):
         spec = msg.spec
         try:
             tr = self.machine.handle(
-                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name),
+                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id,
+                               msg.worker_name, msg.sticky),
                 now,
             )
         except Conflict:

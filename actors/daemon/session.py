@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from stepd.actors import Actor
 from stepd.sansio.errors import Unavailable
+from stepd.sansio.sticky import StickyWorker
 from stepd.sansio.session import (
     Answer,
     ClaimReady,
@@ -51,11 +52,13 @@ from .messages import (
     Grant,
     LeaseEnded,
     ReleaseLease,
+    Reload,
     Resubscribe,
     ResyncAll,
     ReturnSpecs,
     SessionInfo,
     SlotFor,
+    StickyReport,
     Touch,
 )
 from .messages import (
@@ -64,6 +67,7 @@ from .messages import (
 from .messages import Subscribe as SubscribeMsg
 from .messages import Unsubscribe as UnsubscribeMsg
 from .services import Services
+from .sticky import worker_of
 
 __all__ = ["Outbox", "SessionActor", "SessionMemo"]
 
@@ -102,13 +106,17 @@ class SessionActor(Actor):
         self.worker_id = worker_id
         self.memo = memo
         self.name = ""
+        self.sticky: StickyWorker | None = None
+        #: The worker's sticky cache counts as its last complete reported them
+        #: (cumulative on the worker: nothing to keep across restarts).
+        self.sticky_counts: dict[str, int] | None = None
         self.machine: SessionMachine
 
     async def on_start(self) -> None:
         raw = self.s.storage.get(store.WORKERS, self.worker_id)
         if not isinstance(raw, dict):
             raise LookupError(f"worker {self.worker_id} is not registered")
-        self.name = str(raw.get("name") or "")
+        self._load(raw)
         self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
                                       last_active=self.s.clock.time_ms())
         memo = self.memo
@@ -125,6 +133,10 @@ class SessionActor(Actor):
             # registry ignores those it holds already).
             peers.tell(self.s, "/recovery", ResyncAll())
         self._arm()
+
+    def _load(self, raw: dict[str, Any]) -> None:
+        self.name = str(raw.get("name") or "")
+        self.sticky = worker_of(self.worker_id, raw)
 
     # ------------------------------------------------------------------ messages
 
@@ -168,7 +180,14 @@ class SessionActor(Actor):
             await self._perform(m.resubscribe())
         elif isinstance(message, SessionInfo):
             return {"connected": m.attached is not None or bool(m.claims),
-                    "held": [m.held[k] for k in sorted(m.held)], "last_active": m.last_active}
+                    "held": [m.held[k] for k in sorted(m.held)], "last_active": m.last_active,
+                    "sticky": self.sticky_counts}
+        elif isinstance(message, StickyReport):
+            self.sticky_counts = dict(message.counts)
+        elif isinstance(message, Reload):
+            raw = self.s.storage.get(store.WORKERS, self.worker_id)
+            if isinstance(raw, dict):
+                self._load(raw)
         else:
             raise TypeError(f"session: unexpected message {message!r}")
         self._arm()
@@ -219,7 +238,8 @@ class SessionActor(Actor):
         spec = action.spec
         try:
             lease = await peers.ask_run(self.s, spec.run_id,
-                                        OfferMsg(spec, self.worker_id, self.name), quiet=True)
+                                        OfferMsg(spec, self.worker_id, self.name, self.sticky),
+                                        quiet=True)
         except Unavailable:
             # Its run did not come up (a /runs kill under load): the run
             # re-announces the slot when it is back; this session goes on.

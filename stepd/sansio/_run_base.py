@@ -32,6 +32,7 @@ from .events import (
 )
 from .record import Frame, RunRecord, Slot, slot_key
 from .status import LIVE_PHASES, ErrorReason, RunStatus, SlotPhase
+from .sticky import track
 from .templates import MISSING, TemplateContext
 
 Resolver = Callable[[str, "str | None"], "Definition | None"]
@@ -172,6 +173,12 @@ class _RunBase:
         if slot.item_index is not None:
             key += f"/{slot.item_index}"
         assert isinstance(step, (TaskStep, ForEachStep))
+        prefer = until = None
+        hold = None if r.sticky is None else r.sticky["hold"]
+        if hold is not None and isinstance(step, TaskStep) and slot.queued_at is not None:
+            # AFFINITY.md "Sticky execution": the worker that ran the previous step
+            # first, for its sticky_schedule_ms, then anyone.
+            prefer, until = hold["w"], slot.queued_at + hold["ms"]
         return AttemptSpec(
             run_id=r.run_id,
             workflow=r.workflow,
@@ -185,6 +192,8 @@ class _RunBase:
             timeout_ms=step.timeout_ms,
             idempotency_key=key,
             excluded_workers=tuple(slot.excluded),
+            prefer=prefer,
+            prefer_until=until,
         )
 
     def _slot(self, step_id: str, item_index: int | None) -> tuple[Frame, Slot]:
@@ -218,6 +227,12 @@ class _RunBase:
             if limit is not None and value > limit:
                 return (name, limit, value)
         return None
+
+    def _history_set(self, kind: str, key: str, old: Any, new: Any) -> None:
+        """A history entry was written (steps or state): keep the sticky cursor current."""
+        sticky = self.record.sticky
+        if sticky is not None:
+            track(sticky, kind, key, old, new, self.record.seq)
 
     @staticmethod
     def _size(state: Any) -> int:

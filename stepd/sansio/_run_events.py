@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 from ._run_base import (
     END,
@@ -49,6 +50,8 @@ from .events import (
 )
 from .record import slot_key
 from .status import ErrorReason, RunStatus, SlotPhase
+from .sticky import MISSING as STICKY_MISSING
+from .sticky import StickyWorker, claim_holder, cursor_of, delta_since, start_tracking
 
 
 class _RunEvents(_RunSteps):
@@ -80,6 +83,9 @@ class _RunEvents(_RunSteps):
             worker_id=ev.worker_id, worker_name=ev.worker_name,
         )
         spec = self._spec(step, f, slot)
+        sticky_part: dict[str, Any] | None = None
+        if ev.sticky is not None and isinstance(step, TaskStep):
+            sticky_part = self._sticky_lease(ev.sticky)
         tr.lease = {
             "lease_id": ev.lease_id,
             "fence": fence,
@@ -101,7 +107,38 @@ class _RunEvents(_RunSteps):
             "span_id": span_id_for(ev.lease_id),
             "timeout_ms": spec.timeout_ms,
         }
+        if sticky_part is not None:
+            lease = tr.lease
+            lease["sticky"] = sticky_part
+            if sticky_part["mode"] == "delta":
+                # The worker rebuilds these from its cache plus the delta.
+                del lease["steps"], lease["state"]
         return tr
+
+    def _sticky_lease(self, worker: StickyWorker) -> dict[str, Any]:
+        """The ``sticky`` part of a task lease for a worker that declared sticky execution
+        (docs/affinity.md "Sticky execution").
+
+        To the holder (the worker that ran the previous step and cached the
+        history at a cursor): a delta, the entries written after its cursor, with
+        the base cursor and the resulting one, each naming the cache identity
+        (workflow, run, build id) it belongs to. To anyone else: the full history
+        as always, with its cursor, so the worker can start caching.
+        """
+        r = self.record
+        if r.sticky is None:
+            r.sticky = start_tracking(r.steps, r.state, r.seq)
+        sticky = r.sticky
+        hold = sticky["hold"]
+        identity = {"workflow": r.workflow, "run_id": r.run_id}
+        cursor = {**cursor_of(sticky), **identity, "build_id": worker.build_id}
+        if hold is None or hold["w"] != worker.worker_id or hold["c"] > sticky["s"]:
+            return {"mode": "full", "cursor": cursor}
+        # The base names the build the holder cached under: a worker now running
+        # another build finds no such entry and fetches the history (AFFINITY.md).
+        base = {"seq": hold["c"], "hash": hold["ch"], **identity, "build_id": hold["b"]}
+        delta = delta_since(sticky, r.steps, r.state, hold["c"])
+        return {"mode": "delta", "base": base, "cursor": cursor, **delta}
 
     def _on_started(self, ev: AttemptStarted, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
@@ -132,8 +169,18 @@ class _RunEvents(_RunSteps):
             except KeyError:
                 raise Invalid(f"{jump!r} is not a step of {self.definition.name!r}",
                               field="output._next_step") from None
-        tr = Transition()
         r = self.record
+        sticky = r.sticky
+        if ev.sticky is not None and (
+                sticky is None or not isinstance(step, TaskStep)
+                or (ev.sticky.workflow, ev.sticky.seq, ev.sticky.hash)
+                != (r.workflow, sticky["s"], sticky["h"])):
+            # A worker claims only a cursor it verified against this lease (or fetched
+            # for it): anything else is refused whole, nothing applied.
+            raise Invalid("is not the history cursor of this lease", field="sticky.cursor")
+        if sticky is not None and isinstance(step, TaskStep):
+            claim_holder(sticky, slot.worker_id or "", ev.sticky)
+        tr = Transition()
         if ev.usage:
             # Saturating: a total past what storage holds would fail every write of
             # the run (the transport bounds each report; this bounds the sum).
@@ -169,8 +216,12 @@ class _RunEvents(_RunSteps):
             return tr
         r.cost_units += slot.cost_units
         if patch:
+            old_state = r.state
             r.state = {**r.state, **patch}
             r.state_bytes = self._size(r.state)
+            if r.sticky is not None:
+                for k in patch:
+                    self._history_set("state", k, old_state.get(k, STICKY_MISSING), patch[k])
             self._journal(tr, now, "state_patched", step_id=step.id, item_index=ev.item_index,
                           keys=sorted(patch))
         assert ev.item_index is not None

@@ -36,6 +36,7 @@ from .events import (
 )
 from .record import Frame, Slot
 from .status import ErrorReason, RunStatus, SlotPhase
+from .sticky import MISSING as STICKY_MISSING
 from .templates import MISSING, render
 
 
@@ -246,9 +247,15 @@ class _RunSteps(_RunBase):
         r.cost_units += cost_delta
         if changed:
             keys = sorted(set(patch or ()) | ({into} if into is not None and into_value is not MISSING else set()))
+            old_state = r.state
             r.state = new_state
             r.state_bytes = size
             self._journal(tr, now, "state_patched", step_id=step.id, keys=keys)
+            if r.sticky is not None:
+                for k in keys:
+                    self._history_set("state", k, old_state.get(k, STICKY_MISSING), new_state[k])
+        if r.sticky is not None:
+            self._history_set("steps", step.id, r.steps.get(step.id, STICKY_MISSING), output)
         r.steps[step.id] = output
         r.result = output
         r.frame = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .sticky import StickyClaim, StickyWorker
+
 # --------------------------------------------------------------------------- events
 
 
@@ -23,6 +25,8 @@ class AttemptOffered:
     lease_id: str
     worker_id: str
     worker_name: str = ""
+    #: The worker declared sticky execution (None: the lease is as it always was).
+    sticky: StickyWorker | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,9 @@ class AttemptCompleted:
     state_patch: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None  # {"input_tokens", "output_tokens", "cost_usd"} priced
     spans: tuple[Any, ...] | list[Any] | None = None  # journaled with the completion
+    #: The history cursor the worker cached (its identity checked at the protocol
+    #: boundary); None: it cached nothing.
+    sticky: StickyClaim | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +187,10 @@ class AttemptSpec:
     timeout_ms: int | None
     idempotency_key: str
     excluded_workers: tuple[str, ...] = ()
+    #: Sticky execution: offer only to this worker (the one that ran the run's
+    #: previous step and cached its history) until `prefer_until` (ms), then to anyone.
+    prefer: str | None = None
+    prefer_until: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,9 @@ class RunRecord:
     #: transaction, so a tree of child runs is built one level per transaction
     #: instead of recursively inside the parent's.
     begun: bool = True
+    #: Sticky execution's bookkeeping (`stepd.sansio.sticky`), None until a
+    #: sticky worker first takes one of the run's steps.
+    sticky: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = self._to_dict()
@@ -183,6 +186,8 @@ class RunRecord:
             d["depth"] = self.depth
         if not self.begun:
             d["begun"] = False
+        if self.sticky is not None:
+            d["sticky"] = self.sticky
         return d
 
     def _to_dict(self) -> dict[str, Any]:
@@ -254,4 +259,5 @@ class RunRecord:
             seq=d["seq"],
             depth=d.get("depth", 0),
             begun=d.get("begun", True),
+            sticky=d.get("sticky"),
         )

@@ -47,6 +47,7 @@ from .definition import (
     Definition,
 )
 from .errors import Fenced, IllegalTransition, Invalid, RunTerminal
+from .sticky import cursor_of, view_hash
 from .events import (
     AttemptCompleted,
     AttemptFailed,
@@ -205,6 +206,24 @@ class RunMachine(_RunEvents):
         if f is None:
             return []
         return [(s.lease_id, s) for s in f.slots if s.phase in LIVE_PHASES and s.lease_id]
+
+    def history(self, lease_id: str, step_id: str, item_index: int | None,
+                fence: int) -> dict[str, Any]:
+        """The run's full history and its cursor, for a live lease of it (GET
+        /v1/api/steps/{lease}/history; docs/affinity.md "Sticky execution").
+
+        Raises:
+            RunTerminal: the run is over.
+            Fenced: the lease is no longer the live attempt of its step.
+        """
+        r = self.record
+        if r.status.terminal:
+            raise RunTerminal(f"run {r.run_id} is {r.status.value}")
+        self._live_slot(step_id, item_index, fence)
+        cursor = {"seq": r.seq, "hash": view_hash(r.steps, r.state)} if r.sticky is None \
+            else cursor_of(r.sticky)
+        return {"cursor": {**cursor, "workflow": r.workflow, "run_id": r.run_id},
+                "steps": dict(r.steps), "state": dict(r.state)}
 
     def current_fence(self, step_id: str, item_index: int | None) -> int:
         return self.record.fences.get(slot_key(step_id, item_index), 0)
