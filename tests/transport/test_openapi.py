@@ -50,6 +50,7 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("post", "/v1/api/steps/{lease}/heartbeat"): "worker",
     ("post", "/v1/api/steps/{lease}/complete"): "worker",
     ("post", "/v1/api/steps/{lease}/fail"): "worker",
+    ("get", "/v1/api/steps/{lease}/history"): "worker",
     ("post", "/v1/api/runs"): "execute",
     ("get", "/v1/api/runs"): "read",
     ("get", "/v1/api/runs/{run}"): "read",
