@@ -1,0 +1,138 @@
+"""Fixtures for the sticky execution tests: a real ``stepd serve`` process and real worker
+processes (`tests.affinity._sticky_worker`), started and stopped by PID, always reaped."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stepd
+from tests.transport.conftest import DaemonProcess, start_daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 30.0
+REAP_TIMEOUT_S = 10.0
+
+
+def unique(prefix: str = "st") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def eventually(check: Callable[[], Any], *, timeout: float = 20.0, what: str = "") -> Any:
+    """Poll `check` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.02)
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen[str]
+    worker_id: str
+
+    def kill(self) -> None:
+        """SIGKILL by PID: the worker is lost without a word."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(REAP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), then SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_worker(url: str, prefix: str, *, transport: str, capacity: int = 0,
+                 build_id: str | None = "b1", worker_id: str | None = None,
+                 schedule_ms: int | None = None, max_bytes: int | None = None,
+                 log: Path | None = None) -> WorkerProcess:
+    cmd = [sys.executable, "-m", "tests.affinity._sticky_worker", "--url", url, "--prefix",
+           prefix, "--transport", transport, "--capacity", str(capacity)]
+    for flag, value in (("--build-id", build_id), ("--worker-id", worker_id),
+                        ("--schedule-ms", schedule_ms), ("--max-bytes", max_bytes)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPD_")}
+    if log is not None:
+        with log.open("a") as err:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, env=env)
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env=env)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        with proc.stdout:
+            for line in proc.stdout:
+                lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        line = lines.get(timeout=READY_TIMEOUT_S)
+    except queue.Empty:
+        line = None
+    if line is None or not line.startswith("ready "):
+        proc.kill()
+        proc.wait(REAP_TIMEOUT_S)
+        raise RuntimeError(f"worker process did not get ready: {line!r}")
+    return WorkerProcess(proc, line.split()[1])
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = start_daemon(tmp_path_factory.mktemp("sticky") / "data", "--max-request-ms", "2000")
+    yield d
+    assert d.stop() == 0, d.stderr()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[stepd.Client]:
+    with stepd.Client(daemon.url, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start worker processes; every one is stopped and reaped at the end."""
+    started: list[WorkerProcess] = []
+
+    def start(*args: Any, **kwargs: Any) -> WorkerProcess:
+        kwargs.setdefault("log", tmp_path / "workers.log")
+        w = start_worker(*args, **kwargs)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def sticky_of(client: stepd.Client, worker_id: str) -> dict[str, Any] | None:
+    for w in client.workers():
+        if w["worker_id"] == worker_id:
+            return w.get("sticky")  # type: ignore[no-any-return]
+    raise AssertionError(f"worker {worker_id} is not listed")

@@ -1,0 +1,165 @@
+"""Sticky execution across real processes (AFFINITY.md "Sticky execution"; docs/affinity.md).
+
+A real ``stepd serve`` process and real worker processes (`_sticky_worker`),
+over the WebSocket and over HTTP long-poll: sticky hits, eviction by capacity,
+a replacement process taking over a worker id, a build mismatch, the holder
+lost, a corrupted cache entry. Each checks the counts the workers API (and
+``/metrics``) shows and that the run's result is exactly what it is with the
+cache off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+import stepd
+from tests.transport.conftest import DaemonProcess
+
+from ._sticky_worker import workflows
+from .conftest import WorkerProcess, eventually, sticky_of, unique
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", ["websocket", "http"])]
+
+
+def counts(client: stepd.Client, worker_id: str) -> dict[str, int]:
+    s = sticky_of(client, worker_id)
+    assert s is not None
+    return {k: s[k] for k in ("hit", "miss", "eviction", "forced_cold_replay")}
+
+
+def waiting(client: stepd.Client, run: Any) -> bool:
+    return client.status(run).status == "waiting"
+
+
+def finish(client: stepd.Client, run: Any, payload: Any = "go!") -> Any:
+    eventually(lambda: waiting(client, run), what="the run to wait for its signal")
+    client.signal(run, "go", payload)
+    return client.result(run, timeout=60)
+
+
+def reference(client: stepd.Client, workers: Callable[..., WorkerProcess], url: str,
+              prefix: str, transport: str, kind: str) -> tuple[Any, Any]:
+    """The result and state of the same workflow with the cache off."""
+    w = workers(url, prefix, transport=transport, capacity=0)
+    run = client.start(f"{prefix}-{kind}", {"x": 1})
+    result = finish(client, run) if kind == "paused" else client.result(run, timeout=60)
+    assert sticky_of(client, w.worker_id) is None  # sticky off: nothing reported
+    w.stop()
+    return result, client.status(run).state
+
+
+def test_sticky_hits_and_the_result_is_the_same_as_without(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "chain")
+    w = workers(daemon.url, prefix, transport=transport, capacity=8)
+    run = client.start(f"{prefix}-chain", {"x": 1})
+    on = client.result(run, timeout=60), client.status(run).state
+    assert on == off
+    assert on[0]["seen_steps"] == ["s0", "s1", "s2", "s3"]
+    assert eventually(lambda: counts(client, w.worker_id) == {
+        "hit": 4, "miss": 1, "eviction": 0, "forced_cold_replay": 0}, what="the counts")
+    metrics = httpx.get(f"{daemon.url}/metrics", trust_env=False).text
+    assert f'stepd_worker_sticky_cache{{worker_id="{w.worker_id}",event="hit"}} 4' in metrics
+
+
+def test_eviction_by_capacity_forces_cold_replays(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    w = workers(daemon.url, prefix, transport=transport, capacity=1)
+    a = client.start(f"{prefix}-paused", {"x": 1})
+    eventually(lambda: waiting(client, a))
+    b = client.start(f"{prefix}-paused", {"x": 1})
+    eventually(lambda: waiting(client, b))
+    # b's history pushed a's out of the one-entry cache.
+    assert eventually(lambda: counts(client, w.worker_id)["eviction"] == 1)
+    assert (finish(client, a), client.status(a).state) == off
+    assert (finish(client, b), client.status(b).state) == off
+    # a: s1 cold (evicted), s2 hit; b: s1 cold (a evicted it), s2 hit.
+    assert eventually(lambda: counts(client, w.worker_id) == {
+        "hit": 2, "miss": 2, "eviction": 3, "forced_cold_replay": 2}, what="the counts")
+
+
+def test_a_replacement_process_with_the_same_worker_id_replays_cold(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    first = workers(daemon.url, prefix, transport=transport, capacity=8)
+    run = client.start(f"{prefix}-paused", {"x": 1})
+    eventually(lambda: waiting(client, run))
+    first.kill()  # SIGKILL: its cache dies with it
+    second = workers(daemon.url, prefix, transport=transport, capacity=8,
+                     worker_id=first.worker_id)
+    assert second.worker_id == first.worker_id
+    assert (finish(client, run), client.status(run).state) == off
+    assert eventually(lambda: counts(client, second.worker_id) == {
+        "hit": 1, "miss": 0, "eviction": 0, "forced_cold_replay": 1}, what="the counts")
+
+
+def test_a_build_mismatch_replays_cold(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    first = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b1")
+    run = client.start(f"{prefix}-paused", {"x": 1})
+    eventually(lambda: waiting(client, run))
+    first.stop()
+    second = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b2",
+                     worker_id=first.worker_id)
+    assert (finish(client, run), client.status(run).state) == off
+    # s1's delta names the b1 cache: fetched cold; s2's names b2: a hit.
+    assert eventually(lambda: counts(client, second.worker_id) == {
+        "hit": 1, "miss": 0, "eviction": 0, "forced_cold_replay": 1}, what="the counts")
+
+
+def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_ms(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    holder = workers(daemon.url, prefix, transport=transport, capacity=8, schedule_ms=300)
+    run = client.start(f"{prefix}-paused", {"x": 1})
+    eventually(lambda: waiting(client, run))
+    holder.kill()
+    other = workers(daemon.url, prefix, transport=transport, capacity=8)
+    assert (finish(client, run), client.status(run).state) == off
+    # Not the holder: the daemon sends it the full history (a miss), then deltas.
+    assert eventually(lambda: counts(client, other.worker_id) == {
+        "hit": 1, "miss": 1, "eviction": 0, "forced_cold_replay": 0}, what="the counts")
+    takers = {e.get("worker_id") for e in client.journal(run) if e["type"] == "step_completed"
+              and e.get("step_id") in ("s1", "s2")}
+    assert takers == {other.worker_id}
+
+
+def test_a_corrupted_cache_entry_is_caught_by_the_cursor_check(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    """The base cursor the lease names does not match the entry: no hit, a cold replay.
+
+    The worker is an SDK `Worker` in this process (on its own thread, over the real
+    network) so the test can corrupt its cache between two steps.
+    """
+    from tests.sdk.conftest import serving
+
+    prefix = unique()
+    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    worker = stepd.Worker(daemon.url, concurrency=2, build_id="b1", transport=transport,
+                          sticky_cache_capacity=8).register(*workflows(prefix))
+    with serving(worker):
+        run = client.start(f"{prefix}-paused", {"x": 1})
+        eventually(lambda: waiting(client, run))
+        cache = worker.sticky_cache
+        assert cache is not None
+        assert cache.set_entry_hash(f"{prefix}-paused", run.run_id, "f" * 64)
+        assert (finish(client, run), client.status(run).state) == off
+        assert cache.stats.as_dict() == {"hit": 1, "miss": 1, "eviction": 0,
+                                         "forced_cold_replay": 1}
