@@ -1,6 +1,6 @@
 """``python -m bench``: PEERS.md's workloads against stepd, on three transports.
 
-    python -m bench [--quick] [--only A,B,C,D,durability,E,F]
+    python -m bench [--quick] [--only A,B,C,D,durability,E,F,G]
                     [--transport embedded,websocket,http] [--out FILE]
 
 Workloads (bench/README.md says exactly what each measures):
@@ -12,7 +12,10 @@ Workloads (bench/README.md says exactly what each measures):
 * durability: fsync-family calls per extra step (strace on the daemon), beside
   the storage's own commit counter;
 * E  timers: 100,000 runs asleep in a durable timer, woken at one moment;
-* F  leases: 1,000 leases held 60 s, heartbeating every 1 s (TTL 3 s).
+* F  leases: 1,000 leases held 60 s, heartbeating every 1 s (TTL 3 s);
+* G  sticky execution: a 50-step workflow whose state grows 2 KB per step, the
+  worker's sticky cache off then on (bytes per lease, daemon CPU per step,
+  identical results; network transports only; not in the default set).
 
 Prints one JSON line per workload and transport (PEERS.md's field names),
 then a table beside the PEERS.md anchors and stepd's targets. Exit status 1
@@ -57,18 +60,20 @@ from bench._workloads import (
     workload_f,
 )
 from bench.engine import synced_commit_baseline
+from bench.sticky import workload_g
 
 TRANSPORTS = ("embedded", "websocket", "http")
 F_WORKERS = 4
 """F over the network: the leases are spread over this many worker processes (--f-workers)."""
 WORKLOADS = ("A", "B", "C", "D", "durability", "E", "F")
+EXTRA_WORKLOADS = ("G",)  # run only when named in --only
 
 FULL = {"a_runs": 20, "a_one": 20, "b_wf": 1000, "c_settle": 5.0, "c_window": 30.0,
         "dur_runs": 20, "e_runs": 100_000, "e_margin": 2.0, "e_probe": 1000,
-        "f_leases": 1000, "f_hold": 60.0}
+        "f_leases": 1000, "f_hold": 60.0, "g_runs": 10}
 QUICK = {"a_runs": 10, "a_one": 10, "b_wf": 300, "c_settle": 0.5, "c_window": 1.5,
          "dur_runs": 3, "e_runs": 10_000, "e_margin": 0.5, "e_probe": 200,
-         "f_leases": 200, "f_hold": 10.0}
+         "f_leases": 200, "f_hold": 10.0, "g_runs": 2}
 
 
 def log(message: str) -> None:
@@ -196,6 +201,8 @@ def plan(transports: list[str], only: set[str], quick: bool) -> list[tuple[str, 
                 e_network_done |= network
         if "F" in only:
             out.append((t, "F"))
+        if "G" in only and t != "embedded":
+            out.append((t, "G"))
     if quick and "E" in only and not any(sec == "E" for _, sec in out) and transports:
         out.append((transports[0], "E"))  # --quick with only embedded
     return out
@@ -209,6 +216,12 @@ async def run_section(section: str, transport: str, only: set[str], p: dict[str,
         await timers_workload(transport, p, tmp, out)
     elif section == "F":
         await leases_workload(transport, p, tmp, out, f_workers)
+    elif section == "G":
+        log(f"{transport}: G (sticky off, then on: {p['g_runs']} x 50 steps, +2 KB state/step)")
+        fields = await workload_g(transport, tmp, p["g_runs"], 50)
+        out.emit(transport, "G", fields)
+        if not fields["results_identical"]:
+            raise BenchFailure("G: the results with the sticky cache on differ from off")
     else:  # pragma: no cover
         raise ValueError(section)
 
@@ -245,7 +258,7 @@ def child_main(args: argparse.Namespace, only: set[str]) -> None:
         sys.exit(1)
 
 
-SECTION_TIMEOUT_S = {"main": 600, "E": 900, "F": 400}
+SECTION_TIMEOUT_S = {"main": 600, "E": 900, "F": 400, "G": 600}
 
 
 def run_child(section: str, transport: str, args: argparse.Namespace, only: set[str],
@@ -366,13 +379,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="under a minute: fewer runs, 3 s idle window, E 10,000, F 200 x 10 s")
     parser.add_argument("--only", default=",".join(WORKLOADS),
-                        help=f"workloads, comma-separated ({','.join(WORKLOADS)})")
+                        help=f"workloads, comma-separated ({','.join(WORKLOADS)}; and G, "
+                             "sticky execution, only when named)")
     parser.add_argument("--transport", default=",".join(TRANSPORTS),
                         help=f"transports, comma-separated ({','.join(TRANSPORTS)})")
     parser.add_argument("--out", type=Path, help="also write the JSON lines to this file")
     parser.add_argument("--f-workers", type=int, default=F_WORKERS,
                         help=f"F over the network: worker processes sharing the leases ({F_WORKERS})")
-    parser.add_argument("--child", choices=["main", "E", "F"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["main", "E", "F", "G"], help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run A-D this many times per transport (taking turns, each on a "
@@ -390,8 +404,9 @@ def main() -> None:
     only = {"durability" if w.lower() in ("durability", "dur") else w.upper() for w in only}
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     for w in only:
-        if w not in WORKLOADS:
-            parser.error(f"unknown workload {w!r}; expected {', '.join(WORKLOADS)}")
+        if w not in WORKLOADS + EXTRA_WORKLOADS:
+            parser.error(f"unknown workload {w!r}; expected "
+                         f"{', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
     for t in transports:
         if t not in TRANSPORTS:
             parser.error(f"unknown transport {t!r}; expected {', '.join(TRANSPORTS)}")
