@@ -338,12 +338,22 @@ def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
     table.add_column("connected")
     table.add_column("leases", justify="right")
     table.add_column("last heartbeat", no_wrap=True)
+    # Sticky execution's cache counts (docs/affinity.md), only when a worker has them.
+    sticky = any(isinstance(w.get("sticky"), Mapping) for w in workers)
+    if sticky:
+        table.add_column("sticky hit/miss/evict/cold", no_wrap=True)
     for w in workers:
         connected = bool(w.get("connected"))
-        _row(table, w.get("worker_id"), w.get("name") or "", w.get("build_id") or "—",
-             w.get("concurrency", ""),
-             Text("yes" if connected else "no", style="green" if connected else "dim"),
-             len(w.get("leases") or []), w.get("last_heartbeat_at") or "—")
+        cells = [w.get("worker_id"), w.get("name") or "", w.get("build_id") or "—",
+                 w.get("concurrency", ""),
+                 Text("yes" if connected else "no", style="green" if connected else "dim"),
+                 len(w.get("leases") or []), w.get("last_heartbeat_at") or "—"]
+        if sticky:
+            s = w.get("sticky")
+            cells.append("/".join(str(_int(s.get(k))) for k in
+                                  ("hit", "miss", "eviction", "forced_cold_replay"))
+                         if isinstance(s, Mapping) else "—")
+        _row(table, *cells)
     return table
 
 

@@ -10,6 +10,9 @@ cache off.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +69,12 @@ def test_sticky_hits_and_the_result_is_the_same_as_without(
         "hit": 4, "miss": 1, "eviction": 0, "forced_cold_replay": 0}, what="the counts")
     metrics = httpx.get(f"{daemon.url}/metrics", trust_env=False).text
     assert f'stepd_worker_sticky_cache{{worker_id="{w.worker_id}",event="hit"}} 4' in metrics
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPD_")}
+    table = subprocess.run([sys.executable, "-m", "stepd", "workers", "--url", daemon.url],
+                           capture_output=True, text=True, timeout=60, check=True,
+                           env={**env, "COLUMNS": "300"}).stdout
+    (row,) = [line for line in table.splitlines() if w.worker_id in line]
+    assert "4/1/0/0" in row, table
 
 
 def test_eviction_by_capacity_forces_cold_replays(
