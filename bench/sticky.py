@@ -22,6 +22,7 @@ told apart from the worker's.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class MeteredWorker(stepd.Worker):
 async def _mode(transport: str, sticky: bool, tmp: Path, runs: int, steps: int
                 ) -> tuple[dict[str, Any], list[Any]]:
     data = tmp / f"G-{transport}-{'on' if sticky else 'off'}"
+    data.parent.mkdir(parents=True, exist_ok=True)
     daemon, url = await anyio.to_thread.run_sync(
         lambda: start_daemon(data, tmp, [], name=f"daemon-G-{transport}"))
     encode = msgpack.packb if transport == "websocket" \
@@ -106,15 +108,29 @@ async def _mode(transport: str, sticky: bool, tmp: Path, runs: int, steps: int
             await anyio.to_thread.run_sync(daemon.stop)
 
 
-async def workload_g(transport: str, tmp: Path, runs: int = 10, steps: int = 50
-                     ) -> dict[str, Any]:
-    """Sticky off, then on; the figures of both and whether the results are identical."""
-    off, off_results = await _mode(transport, False, tmp, runs, steps)
-    on, on_results = await _mode(transport, True, tmp, runs, steps)
-    return {
-        "off": off, "on": on,
-        "lease_bytes_ratio": round(on["lease_bytes_mean"] / off["lease_bytes_mean"], 4),
-        "daemon_cpu_ratio": round(on["daemon_cpu_ms_per_step"]
-                                  / max(off["daemon_cpu_ms_per_step"], 1e-9), 3),
-        "results_identical": off_results == on_results,
-    }
+async def workload_g(transport: str, tmp: Path, runs: int = 10, steps: int = 50,
+                     rounds: int = 2) -> dict[str, Any]:
+    """Sticky off and on, taking turns `rounds` times (each on a fresh daemon, so that a
+    machine busy at one moment does not favour one mode); the medians of the figures,
+    each round's, and whether every result is identical."""
+    per: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    results: dict[str, list[Any]] = {"off": [], "on": []}
+    for i in range(rounds):
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            fields, got = await _mode(transport, mode == "on", tmp / f"r{i}", runs, steps)
+            per[mode].append(fields)
+            results[mode].append(got)
+    out: dict[str, Any] = {"rounds": rounds}
+    for mode, rows in per.items():
+        med = {k: statistics.median(r[k] for r in rows)
+               for k in ("lease_bytes_mean", "lease_bytes_max", "daemon_cpu_ms_per_step",
+                         "wall_ms_per_step")}
+        out[mode] = {**rows[-1], **med, "per_round": [
+            {k: r[k] for k in ("daemon_cpu_ms_per_step", "wall_ms_per_step")} for r in rows]}
+    off, on = out["off"], out["on"]
+    out["lease_bytes_ratio"] = round(on["lease_bytes_mean"] / off["lease_bytes_mean"], 4)
+    out["daemon_cpu_ratio"] = round(on["daemon_cpu_ms_per_step"]
+                                    / max(off["daemon_cpu_ms_per_step"], 1e-9), 3)
+    out["results_identical"] = all(r == results["off"][0]
+                                   for r in results["off"] + results["on"])
+    return out
