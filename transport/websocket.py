@@ -14,8 +14,7 @@ echoes::
     <- {"op": "registered", "id": 1, ...register answer}
     -> {"op": "credit", "n": 8}
     <- {"op": "lease", "lease": Lease}                      (pushed, one credit each)
-    -> {"op": "started" | "heartbeat" | "complete" | "fail" | "history", "id": 7,
-        "lease_id": "...", ...body}
+    -> {"op": "started" | "heartbeat" | "complete" | "fail" | "history", "id": 7, "lease_id", ...}
     <- {"op": "ok", "id": 7, ...answer}
      | {"op": "conflict", "id": 7, "reason": R, "message": "..."}
      | {"op": "error", "id": 7, "status": 400, "message": "...", "field": "..."}
@@ -437,8 +436,7 @@ class WorkerConnection:
             return
         if op not in _LEASE_OPS and op not in ("register", "credit"):
             await self._push(_error_frame(frame_id, Invalid(
-                "must be register, credit, started, heartbeat, complete, fail or history",
-                field="op")))
+                f"must be register, credit or one of {', '.join(_LEASE_OPS)}", field="op")))
             return
         if not _is_id(frame_id):
             await self._push(_error_frame(None, Invalid("a request needs an integer id",

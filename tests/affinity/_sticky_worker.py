@@ -9,10 +9,10 @@ SIGKILLs it to lose it without a word).
 from __future__ import annotations
 
 import argparse
-import threading
 from typing import Any
 
 import stepd
+from tests.campaign._worker_proc import serve_announcing
 
 STATE_BYTES = 2048
 
@@ -55,14 +55,7 @@ def main() -> int:
                           sticky_cache_bytes=args.max_bytes,
                           sticky_schedule_ms=args.schedule_ms)
     worker.register(*workflows(args.prefix))
-
-    def announce() -> None:
-        if worker.wait_ready(30):
-            print(f"ready {worker.worker_id}", flush=True)
-
-    threading.Thread(target=announce, daemon=True).start()
-    worker.serve()  # the main thread: SIGTERM stops it gracefully
-    return 0
+    return serve_announcing(worker)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,10 @@ processes (`tests.affinity._sticky_worker`), started and stopped by PID, always 
 from __future__ import annotations
 
 import os
-import queue
+import select
 import signal
 import subprocess
 import sys
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,27 +16,14 @@ from typing import Any
 import pytest
 
 import stepd
+from tests.sdk.conftest import eventually, unique
 from tests.transport.conftest import DaemonProcess, start_daemon
+
+__all__ = ["WorkerProcess", "eventually", "start_worker", "sticky_of", "unique"]
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 30.0
 REAP_TIMEOUT_S = 10.0
-
-
-def unique(prefix: str = "st") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def eventually(check: Callable[[], Any], *, timeout: float = 20.0, what: str = "") -> Any:
-    """Poll `check` until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
 
 
 @dataclass
@@ -81,20 +65,10 @@ def start_worker(url: str, prefix: str, *, transport: str, capacity: int = 0,
     else:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, env=env)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        with proc.stdout:
-            for line in proc.stdout:
-                lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        line = lines.get(timeout=READY_TIMEOUT_S)
-    except queue.Empty:
-        line = None
+    # The first line only: the worker prints nothing after it.
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else None
     if line is None or not line.startswith("ready "):
         proc.kill()
         proc.wait(REAP_TIMEOUT_S)

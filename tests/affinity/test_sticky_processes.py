@@ -96,16 +96,22 @@ def test_eviction_by_capacity_forces_cold_replays(
         "hit": 2, "miss": 2, "eviction": 3, "forced_cold_replay": 2}, what="the counts")
 
 
-def test_a_replacement_process_with_the_same_worker_id_replays_cold(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
-        transport: str) -> None:
+def take_over(daemon: DaemonProcess, client: stepd.Client,
+              workers: Callable[..., WorkerProcess], transport: str, *, kill: bool,
+              build_id: str) -> None:
+    """A run's first step on one process; another process takes over its worker id (with
+    `build_id`) before the next: the delta it gets names a cache it does not hold, so it
+    fetches the history once (a forced cold replay), then hits."""
     prefix = unique()
     off = reference(client, workers, daemon.url, prefix, transport, "paused")
-    first = workers(daemon.url, prefix, transport=transport, capacity=8)
+    first = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b1")
     run = client.start(f"{prefix}-paused", {"x": 1})
     eventually(lambda: waiting(client, run))
-    first.kill()  # SIGKILL: its cache dies with it
-    second = workers(daemon.url, prefix, transport=transport, capacity=8,
+    if kill:
+        first.kill()  # SIGKILL: its cache dies with it
+    else:
+        first.stop()
+    second = workers(daemon.url, prefix, transport=transport, capacity=8, build_id=build_id,
                      worker_id=first.worker_id)
     assert second.worker_id == first.worker_id
     assert (finish(client, run), client.status(run).state) == off
@@ -113,21 +119,17 @@ def test_a_replacement_process_with_the_same_worker_id_replays_cold(
         "hit": 1, "miss": 0, "eviction": 0, "forced_cold_replay": 1}, what="the counts")
 
 
+def test_a_replacement_process_with_the_same_worker_id_replays_cold(
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        transport: str) -> None:
+    take_over(daemon, client, workers, transport, kill=True, build_id="b1")
+
+
 def test_a_build_mismatch_replays_cold(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
         transport: str) -> None:
-    prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "paused")
-    first = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b1")
-    run = client.start(f"{prefix}-paused", {"x": 1})
-    eventually(lambda: waiting(client, run))
-    first.stop()
-    second = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b2",
-                     worker_id=first.worker_id)
-    assert (finish(client, run), client.status(run).state) == off
     # s1's delta names the b1 cache: fetched cold; s2's names b2: a hit.
-    assert eventually(lambda: counts(client, second.worker_id) == {
-        "hit": 1, "miss": 0, "eviction": 0, "forced_cold_replay": 1}, what="the counts")
+    take_over(daemon, client, workers, transport, kill=False, build_id="b2")
 
 
 def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_ms(

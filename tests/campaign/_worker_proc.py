@@ -171,13 +171,19 @@ def main() -> int:
     worker = stepd.Worker(args.url, concurrency=args.concurrency, name=args.name,
                           transport=args.transport, grace=5.0)
     worker.register(WORKFLOWS[args.workflow])
+    return serve_announcing(worker)
+
+
+def serve_announcing(worker: stepd.Worker) -> int:
+    """Serve on the main thread (SIGTERM stops it gracefully), printing ``ready <worker_id>``
+    once registered: what the parent test waits for."""
 
     def announce() -> None:
         if worker.wait_ready(30):
             print(f"ready {worker.worker_id}", flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
-    worker.serve()  # the main thread: SIGTERM stops it gracefully
+    worker.serve()
     return 0
 
 
