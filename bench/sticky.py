@@ -75,22 +75,22 @@ async def _mode(transport: str, sticky: bool, tmp: Path, runs: int, steps: int
         worker = MeteredWorker(url, concurrency=1, build_id="bench-g", transport=transport,
                                encode=encode, sticky_cache_capacity=64 if sticky else 0)
         worker.register(workflow(steps))
-        async with stepd.AsyncClient(url, trust_env=False, timeout=60) as client:
-            async with anyio.create_task_group() as tg:
-                await tg.start(worker.run)
-                # Warm-up: one run, not measured.
-                run = await client.start("grow", {"warm": True})
-                await client.result(run, timeout=120)
-                worker.lease_sizes.clear()
-                cpu0, t0 = cpu_seconds(daemon.pid), time.perf_counter()
-                for i in range(runs):
-                    run = await client.start("grow", {"run": i})
-                    result = await client.result(run, timeout=120)
-                    status = await client.status(run)
-                    results.append((result, status.state))
-                wall = time.perf_counter() - t0
-                cpu = cpu_seconds(daemon.pid) - cpu0
-                worker.stop()
+        async with stepd.AsyncClient(url, trust_env=False, timeout=60) as client, \
+                anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            # Warm-up: one run, not measured.
+            run = await client.start("grow", {"warm": True})
+            await client.result(run, timeout=120)
+            worker.lease_sizes.clear()
+            cpu0, t0 = cpu_seconds(daemon.pid), time.perf_counter()
+            for i in range(runs):
+                run = await client.start("grow", {"run": i})
+                result = await client.result(run, timeout=120)
+                status = await client.status(run)
+                results.append((result, status.state))
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds(daemon.pid) - cpu0
+            worker.stop()
         sizes = worker.lease_sizes
         n = runs * steps
         fields: dict[str, Any] = {

@@ -48,8 +48,8 @@ from stepd.storage import StorageClosed
 
 from ._validate import (
     MAX_CLAIM,
-    STICKY_COUNTS,
     NO_BODY,
+    STICKY_COUNTS,
     copy_json,
     decode_json,
     encode_json,

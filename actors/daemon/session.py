@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 from stepd.actors import Actor
 from stepd.sansio.errors import Unavailable
-from stepd.sansio.sticky import StickyWorker
 from stepd.sansio.session import (
     Answer,
     ClaimReady,
@@ -40,6 +39,7 @@ from stepd.sansio.session import (
     Subscribe,
     Unsubscribe,
 )
+from stepd.sansio.sticky import StickyWorker
 
 from . import peers, store
 from .messages import (

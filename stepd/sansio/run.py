@@ -47,7 +47,6 @@ from .definition import (
     Definition,
 )
 from .errors import Fenced, IllegalTransition, Invalid, RunTerminal
-from .sticky import cursor_of, view_hash
 from .events import (
     AttemptCompleted,
     AttemptFailed,
@@ -70,6 +69,7 @@ from .events import (
 )
 from .record import RunRecord, Slot, slot_key
 from .status import LIVE_PHASES, RunStatus, SlotPhase
+from .sticky import cursor_of, view_hash
 
 #: A slot in one of these phases moves without a timer, signal or child: queued, offered, started.
 _MOVING_PHASES = LIVE_PHASES | {SlotPhase.QUEUED}
