@@ -36,6 +36,11 @@ class WorkerProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(REAP_TIMEOUT_S)
+        self._close()
+
+    def _close(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def stop(self) -> None:
         """SIGTERM (graceful), then SIGKILL if it does not exit in time."""
@@ -45,6 +50,7 @@ class WorkerProcess:
                 self.proc.wait(REAP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close()
 
 
 def start_worker(url: str, prefix: str, *, transport: str, capacity: int = 0,
@@ -72,6 +78,7 @@ def start_worker(url: str, prefix: str, *, transport: str, capacity: int = 0,
     if line is None or not line.startswith("ready "):
         proc.kill()
         proc.wait(REAP_TIMEOUT_S)
+        proc.stdout.close()
         raise RuntimeError(f"worker process did not get ready: {line!r}")
     return WorkerProcess(proc, line.split()[1])
 
