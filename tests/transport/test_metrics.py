@@ -276,6 +276,7 @@ def test_daemon_metrics_render_and_parse() -> None:
         "stepd_live_leases": "gauge",
         "stepd_waiting_claims": "gauge",
         "stepd_connected_workers": "gauge",
+        "stepd_worker_sticky_cache": "gauge",
         "stepd_step_schedule_to_start_seconds": "histogram",
         "stepd_run_to_complete_seconds": "histogram",
         "stepd_commit_batch_size": "histogram",
