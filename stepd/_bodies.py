@@ -81,8 +81,9 @@ class Active:
     """
 
     __slots__ = ("beat_scope", "beating", "body", "born_at", "born_tick", "ctx", "finished",
-                 "in_body", "lease", "outcome", "poke", "poke_pending", "reported", "scope",
-                 "started_done", "started_on", "started_state")
+                 "in_body", "lease", "local_ctx", "local_records", "outcome", "poke",
+                 "poke_pending", "reported", "scope", "started_done", "started_on",
+                 "started_state")
 
     def __init__(self, lease: dict[str, Any], ctx: StepContext, body: Body, scope: Any) -> None:
         self.lease = lease
@@ -105,6 +106,10 @@ class Active:
         self.beat_scope: anyio.CancelScope | None = None
         self.poke: Waiter | None = None
         self.poke_pending = False
+        # Local steps (`stepd._local`): the records so far, sent with `complete`,
+        # and the context of the local body running now (cancelled with this one).
+        self.local_records: list[dict[str, Any]] | None = None
+        self.local_ctx: StepContext | None = None
 
 
 class Runner:

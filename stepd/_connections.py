@@ -10,7 +10,7 @@ its own; a daemon that no longer knows the id gets a fresh registration.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -18,6 +18,7 @@ from stepd._bodies import Definition
 from stepd._calls import backoff
 from stepd._errors import NotFound, StepdError, Unavailable
 from stepd._loop import on_trio
+from stepd._manifest import capability_declaration
 from stepd.actors import Waiter
 from stepd.channels import Channel, Lost, Refused
 
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepd.worker")
 
-PROTOCOL_VERSION: Final = "1.0"
-
-
 class Connections:
     """The connection loop; it reads the worker's state below."""
 
@@ -44,6 +42,8 @@ class Connections:
     concurrency: int
     build_id: str | None
     worker_id: str | None
+    protocol_version: str
+    local_steps: bool
     transport_choice: str
     stopping: bool
     _daemon: Embedded | None
@@ -137,10 +137,11 @@ class Connections:
     def _register_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "name": self.name,
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.protocol_version,
             "concurrency": self.concurrency,
             "definitions": [d.wire for d in self._defs.values()],
         }
+        body.update(capability_declaration(self.protocol_version, local_steps=self.local_steps))
         if self.build_id is not None:
             body["build_id"] = self.build_id
         if self.worker_id is not None:

@@ -107,6 +107,8 @@ class LeaseProtocol(LeaseCalls):
 
         def _body_ends(self, active: Active) -> None: ...
 
+        async def _run_local(self, active: Active, parent_output: Any) -> None: ...
+
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
@@ -139,6 +141,9 @@ class LeaseProtocol(LeaseCalls):
 
     def _cancel_active(self, active: Active, reason: str) -> None:
         ctx = active.ctx
+        local = active.local_ctx
+        if local is not None:
+            local._cancel(reason)
         if ctx._cancel(reason):
             log.info("worker %s: cancelling %s/%s (lease %s): %s", self.name, ctx.run_id,
                      ctx.step_id, ctx.lease_id, reason)
@@ -281,6 +286,12 @@ class LeaseProtocol(LeaseCalls):
             active.in_body = True
             try:
                 outcome = await self._invoke(active, body)
+                if outcome[0] == "ok" and lease.get("local_steps"):
+                    # Still "in body": the parent lease keeps heartbeating, and a
+                    # cancel (grace end) reports the parent's output with the
+                    # local steps finished so far (`_runner`'s `active.outcome`).
+                    active.outcome = outcome
+                    await self._run_local(active, outcome[1])
             finally:
                 active.in_body = False
                 if active.beat_scope is not None:

@@ -75,6 +75,8 @@ from stepd._connections import Connections
 from stepd._errors import Invalid
 from stepd._heartbeats import Heartbeats
 from stepd._leases import LeaseProtocol
+from stepd._local import LocalSteps
+from stepd._manifest import PROTOCOL_VERSION, check_protocol_version
 from stepd._serving import Serving
 from stepd.actors import Waiter, current_time
 from stepd.workflow import Workflow
@@ -111,7 +113,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -128,6 +130,13 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
             ``"websocket"`` or ``"http"``. Ignored for an embedded daemon.
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
+        local_steps: run a workflow's ``"local": true`` steps inside this worker,
+            right after the task step before them (AFFINITY.md "Local steps";
+            `stepd._local`). Off by default: local steps then come as ordinary
+            leases. Declared at register in the capability manifest.
+        protocol_version: the protocol version to register with (default: the
+            newest this SDK speaks, 1.20). Below 1.18 the worker declares no
+            capability, and ``local_steps`` must be off.
 
     Attributes:
         running: leases held now (bodies running, or being reported).
@@ -148,6 +157,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
         transport: str = "auto",
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
+        local_steps: bool = False,
+        protocol_version: str = PROTOCOL_VERSION,
     ) -> None:
         from stepd.channels.http import base_url
         from stepd.client import AsyncClient, Client
@@ -176,6 +187,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
             raise Invalid(f"must be a Client, a URL or a stepd.embedded daemon, got {target!r}",
                           field="target")
         self.concurrency = concurrency
+        self.local_steps = bool(local_steps)
+        self.protocol_version = check_protocol_version(protocol_version, self.local_steps)
         self.name = name if name is not None else _default_name()
         self.build_id = build_id
         self.transport_choice = transport

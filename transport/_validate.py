@@ -21,7 +21,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeGuard
 
+from stepd.sansio.capabilities import CAPABILITIES
 from stepd.sansio.errors import Invalid, field_path
+from stepd.sansio.local_steps import parse_records
 
 NO_BODY: Final = object()
 """The ``body`` of a call that carried none (an empty HTTP body)."""
@@ -160,7 +162,6 @@ RUN_STATUSES: Final = frozenset(
     {"running", "waiting", "sleeping", "completed", "failed", "cancelled", "timed_out"}
 )
 TERMINAL: Final = frozenset({"completed", "failed", "cancelled", "timed_out"})
-CAPABILITIES: Final = ("local_steps", "sessions", "sticky")
 
 _MISSING: Final = object()
 
@@ -388,21 +389,26 @@ def parse_heartbeat(body: Any) -> dict[str, Any]:
 
 
 def parse_complete(body: Any) -> dict[str, Any]:
-    """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``)."""
+    """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``,
+    and ``local_steps`` when given: checked here, gated by the lease actor)."""
     b = _body(body)
-    _closed(b, frozenset({"output", "state_patch", "usage", "spans"}), "")
+    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "local_steps"}), "")
     state_patch = b.get("state_patch")
     if state_patch is not None and not isinstance(state_patch, dict):
         raise Invalid("must be an object or null", field="state_patch")
     spans = b.get("spans", [])
     if not isinstance(spans, list):
         raise Invalid("must be an array", field="spans")
-    return {
+    out = {
         "output": b.get("output"),
         "state_patch": state_patch,
         "usage": _usage(b.get("usage"), "usage"),
         "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
     }
+    if b.get("local_steps") is not None:
+        parse_records(b["local_steps"])
+        out["local_steps"] = b["local_steps"]
+    return out
 
 
 def parse_fail(body: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from .messages import (
     LeaseCall,
     RegisterWorker,
     ReleaseLease,
+    Reregistered,
     SessionInfo,
 )
 from .registry import WorkerInfo
@@ -127,6 +128,9 @@ class WorkerOps(ApiBase):
             "protocol_version": negotiated, "concurrency": concurrency,
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
+            # The capability gate (stepd.sansio.capabilities) reads it back at each
+            # completion that carries capability-specific data.
+            "manifest": manifest,
         }
 
         def txn(t: Any) -> list[Any]:
@@ -139,7 +143,8 @@ class WorkerOps(ApiBase):
         # A registry that is restarting reloads this worker from the table.
         peers.tell(self.services, "/registry", RegisterWorker(worker_id, name, frozenset(keys)))
         try:
-            await peers.ensure_session(self.services, worker_id)
+            session = await peers.ensure_session(self.services, worker_id)
+            await session.tell(Reregistered())  # a session already up rereads it
         except ActorDead:
             pass  # /sessions is restarting: recovery starts a session for every worker
         return {

@@ -75,6 +75,7 @@ class Offer:
     spec: AttemptSpec
     worker_id: str
     worker_name: str
+    local_steps: bool = False  # the worker declared local_steps: its lease carries the plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +262,12 @@ class Resubscribe:
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     """Ask a session what it knows (workers list, expiry decisions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reregistered:
+    """The worker registered again under its id: the session rereads its registration
+    (name, capabilities), so a worker that dropped ``local_steps`` gets no more plans."""
 
 
 # --------------------------------------------------------------------------- timers

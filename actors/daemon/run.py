@@ -305,7 +305,8 @@ class RunActor(Actor):
         spec = msg.spec
         try:
             tr = self.machine.handle(
-                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name),
+                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name,
+                               msg.local_steps),
                 now,
             )
         except Conflict:

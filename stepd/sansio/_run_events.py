@@ -21,7 +21,7 @@ from ._run_base import (
     span_id_for,
     trace_id_for,
 )
-from ._run_steps import _RunSteps
+from ._run_local import _RunLocal
 from .definition import (
     Delivery,
     ForEachStep,
@@ -51,7 +51,7 @@ from .record import slot_key
 from .status import ErrorReason, RunStatus, SlotPhase
 
 
-class _RunEvents(_RunSteps):
+class _RunEvents(_RunLocal):
     __slots__ = ()
 
     # ------------------------------------------------------------------ handlers
@@ -101,6 +101,11 @@ class _RunEvents(_RunSteps):
             "span_id": span_id_for(ev.lease_id),
             "timeout_ms": spec.timeout_ms,
         }
+        if ev.local_steps and ev.item_index is None:
+            plan = self.plan_for(ev.step_id)
+            if plan:
+                tr.lease["local_steps"] = plan
+                tr.lease["run_input"] = self.record.input
         return tr
 
     def _on_started(self, ev: AttemptStarted, now: int) -> Transition:
@@ -120,6 +125,19 @@ class _RunEvents(_RunSteps):
         return tr
 
     def _on_completed(self, ev: AttemptCompleted, now: int) -> Transition:
+        if not ev.local_steps:
+            return self._completed(ev, now)
+        self._live_slot(ev.step_id, ev.item_index, ev.fence)  # Fenced before anything
+        if ev.item_index is not None:
+            raise Invalid("a for_each item carries no local steps", field="local_steps")
+        snapshot = self._snapshot()
+        try:
+            return self._completed(ev, now)
+        except Invalid:
+            self._restore(snapshot)  # nothing of the completion is applied
+            raise
+
+    def _completed(self, ev: AttemptCompleted, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
         patch = ev.state_patch
         if patch is not None and not isinstance(patch, dict):
@@ -155,6 +173,10 @@ class _RunEvents(_RunSteps):
             nxt = self._finish_step(
                 step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units, jump=jump,
             )
+            if ev.local_steps:
+                nxt = self._apply_local(nxt, ev.local_steps, {
+                    "parent_step_id": step.id, "lease_id": slot.lease_id,
+                    "worker_id": slot.worker_id}, tr, now)
             if nxt is not None:
                 self._run_steps_from(nxt, tr, now)
             return tr
