@@ -320,6 +320,8 @@ class WorkerOps(ApiBase):
                 "worker_id": wid, "name": raw["name"], "build_id": raw.get("build_id"),
                 "protocol_version": raw.get("protocol_version"),
                 "concurrency": raw.get("concurrency"),
+                "capabilities": raw.get("capabilities") or [],
+                "manifest": raw.get("manifest"),
                 "registered_at": raw.get("registered_at"),
                 "connected": bool(info["connected"]),
                 "last_heartbeat_at": info["last_active"],

@@ -183,7 +183,10 @@ def _record(raw: Any, field: str) -> LocalRecord:
     if last.error_class is not None:
         raise Invalid("the last attempt failed: the record needs its terminal error",
                       field=f"{field}.error")
-    return LocalRecord(step_id, raw.get("input"), attempts, raw.get("output"), None, "",
+    output = raw.get("output", last.output)
+    if output != last.output:
+        raise Invalid("the terminal output must be the last attempt's", field=f"{field}.output")
+    return LocalRecord(step_id, raw.get("input"), attempts, output, None, "",
                        raw.get("progress"), patch, raw.get("retry"), raw.get("timeout_ms"),
                        raw.get("total_timeout_ms"))
 
