@@ -211,3 +211,35 @@ def test_a_cancelled_run_stops_its_local_body_and_reports_nothing(fast_stack: St
         assert stopped.wait(10)  # the parent's cancel reached the local body
     assert fast_stack.client.status(run).status == "cancelled"
     assert not [e for e in fast_stack.client.journal(run) if e.get("execution_mode")]
+
+
+def test_shutdown_completes_the_parent_with_the_local_steps_finished_so_far(
+        fast_stack: Stack) -> None:
+    name = unique("stop-local")
+    entered = threading.Event()
+
+    def prep(ctx: stepd.StepContext) -> str:
+        return "p"
+
+    def quick(ctx: stepd.StepContext) -> str:
+        return "q"
+
+    async def long(ctx: stepd.StepContext) -> str:
+        if ctx.lease.get("execution_mode") == "local":
+            entered.set()
+            await anyio.sleep(30)  # cut at the end of the grace period
+        return "as a lease"
+
+    wf = stepd.Workflow(name).then(prep).then(quick, local=True).then(long, local=True)
+    first = fast_stack.worker(wf, local_steps=True, name="first")
+    with serving(first, grace=0.2):
+        run = fast_stack.client.start(name)
+        assert entered.wait(10)
+    # Stopped: prep completed with quick's record; long was cut and never reported.
+    events = fast_stack.client.journal(run)
+    assert [e["step_id"] for e in events if e["type"] == "step_completed"] == ["prep", "quick"]
+    assert [e.get("execution_mode") for e in events if e["type"] == "step_completed"] == [
+        None, "local"]
+    second = fast_stack.worker(wf, name="second")  # no local steps: long comes as a lease
+    with serving(second):
+        assert run.result(timeout=20) == "as a lease"
