@@ -25,6 +25,7 @@ from __future__ import annotations
 import cProfile
 import json
 import os
+import time
 import signal
 import sys
 import threading
@@ -130,6 +131,9 @@ class Recorder:
         self._prof.disable()
         self.active = False
         self._prof.create_stats()
+        raw = os.environ.get("BENCH_CALLS_PSTATS")  # a directory: keep the whole profile too
+        if raw:
+            self._prof.dump_stats(str(Path(raw) / f"{os.getpid()}-{time.monotonic_ns()}.prof"))
         functions: dict[str, list[Any]] = {}
         areas: Counter[str] = Counter()
         for (filename, line, name), (_cc, nc, _tt, _ct, callers) in self._prof.stats.items():

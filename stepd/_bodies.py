@@ -95,7 +95,9 @@ class Active:
         self.outcome: tuple[Any, ...] | None = None
         self.finished = False  # reported (or dropped) and released
         # `started`: 0 not sent (or sent by a task, on an unordered channel),
-        # 1 sent on the ordered channel `started_on` (answer pending), 2 answered.
+        # 1 sent on the ordered channel `started_on` (answer pending), 2 answered,
+        # 3 held back (at_least_once): folded into `complete`/`fail` if the body
+        # ends before its first heartbeat is due, else sent then (`_heartbeats`).
         self.started_state = 0
         self.started_on: Any = None
         self.started_done: Waiter | None = None  # made by whoever waits for state 2

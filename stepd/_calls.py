@@ -192,10 +192,15 @@ class LeaseCalls:
     async def _final(self, active: Active | None, lease_id: str, run_id: str, op: str,
                      body: dict[str, Any]) -> None:
         """Send ``complete``/``fail`` and answer the outcome by PROTOCOL.md's table."""
+        after = active
+        if active is not None and active.started_state == 3:
+            active.started_state = 2  # `started` goes in this call
+            body = {**body, "started": True}
+            after = None
         try:
             try:
                 await self._call(op, lease_id, body, give_up_s=max(30.0, 2 * self._lease_ttl_s),
-                                 after=active)
+                                 after=after)
             except (Invalid, Unencodable) as exc:
                 if op == "complete" and "local_steps" in body:
                     # Refused local records (the gate, or records the run does not

@@ -65,6 +65,7 @@ class Connections:
         self._heartbeat_s = 10.0
         self._lease_ttl_s = 30.0
         self._max_request_ms = 20_000
+        self._fold_started = False  # the daemon said complete/fail may carry `started`
 
     def _kind(self) -> str:
         if self._daemon is not None:
@@ -175,6 +176,7 @@ class Connections:
         self._heartbeat_s = max(0.001, int(answer.get("heartbeat_ms", 10_000)) / 1000)
         self._lease_ttl_s = max(0.001, int(answer.get("lease_ttl_ms", 30_000)) / 1000)
         self._max_request_ms = int(answer.get("max_request_ms", 30_000))
+        self._fold_started = answer.get("fold_started") is True
         for entry in answer.get("definitions") or ():
             held = self._defs.get((entry.get("name"), entry.get("version")))
             theirs = entry.get("definition_hash")

@@ -94,6 +94,7 @@ class LeaseProtocol(LeaseCalls):
     _fatal: list[BaseException]
     _threads: anyio.CapacityLimiter | None
     _lease_ttl_s: float
+    _fold_started: bool
     _token: Any
     _loop_thread: int | None
     grace: float
@@ -278,6 +279,11 @@ class LeaseProtocol(LeaseCalls):
         if lease.get("delivery") == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
             await self._started(active)
+        elif self._fold_started:
+            # Held back: most bodies end before their first heartbeat is due, and
+            # then `started` rides in their `complete` (docs/leases.md "A folded
+            # started"); a longer body sends it with that heartbeat (`_heartbeats`).
+            active.started_state = 3
         else:
             self._started_soon(active)  # the body starts at once; `started` goes out beside it
         outcome: tuple[Any, ...] = _CANCELLED

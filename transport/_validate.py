@@ -392,7 +392,8 @@ def parse_complete(body: Any) -> dict[str, Any]:
     """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``,
     and ``local_steps`` when given: checked here, gated by the lease actor)."""
     b = _body(body)
-    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "local_steps"}), "")
+    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "started", "local_steps"}),
+            "")
     state_patch = b.get("state_patch")
     if state_patch is not None and not isinstance(state_patch, dict):
         raise Invalid("must be an object or null", field="state_patch")
@@ -405,23 +406,37 @@ def parse_complete(body: Any) -> dict[str, Any]:
         "usage": _usage(b.get("usage"), "usage"),
         "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
     }
+    if _folded_started(b):
+        out["started"] = True
     if b.get("local_steps") is not None:
         parse_records(b["local_steps"])
         out["local_steps"] = b["local_steps"]
     return out
 
 
+def _folded_started(b: dict[str, Any]) -> bool:
+    """``"started": true`` on complete/fail: an at_least_once worker's `started`, folded in
+    (docs/leases.md "A folded started"). Ignored for at_most_once (``not_started`` holds)."""
+    started = b.get("started", False)
+    if not isinstance(started, bool):
+        raise Invalid("must be a boolean", field="started")
+    return started
+
+
 def parse_fail(body: Any) -> dict[str, Any]:
     """``FailRequest`` -> the engine's fail body (wire ``error.class`` is ``error_class``)."""
     b = _body(body)
-    _closed(b, frozenset({"error"}), "")
+    _closed(b, frozenset({"error", "started"}), "")
     error = _obj(_required(b, "error", ""), "error")
     _closed(error, frozenset({"class", "message"}), "error")
     error_class = check_name(_required(error, "class", "error"), "error.class")
     message = error.get("message", "")
     if not isinstance(message, str):
         raise Invalid("must be a string", field="error.message")
-    return {"error_class": error_class, "message": message}
+    out: dict[str, Any] = {"error_class": error_class, "message": message}
+    if _folded_started(b):
+        out["started"] = True
+    return out
 
 
 _START_KEYS: Final = frozenset(

@@ -153,6 +153,8 @@ class WorkerOps(ApiBase):
             "heartbeat_ms": self.config.heartbeat_ms,
             "protocol_version": negotiated,
             "max_request_ms": self.config.max_request_ms,
+            # complete/fail may carry `"started": true` (docs/leases.md "A folded started").
+            "fold_started": True,
             "definitions": [
                 {"name": d.name, "version": d.version, "definition_hash": d.definition_hash}
                 for d in parsed

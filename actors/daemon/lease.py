@@ -190,6 +190,13 @@ class LeaseActor(Actor):
             self._arm()
             return {"lease_ttl_ms": m.ttl_ms}
         body = call.body or {}
+        started = None
+        if (body.get("started") is True and not rec.started and rec.delivery == "at_least_once"
+                and (call.op is Op.COMPLETE or call.op is Op.FAIL)):
+            # The worker folded `started` into this call (its body ended inside
+            # the heartbeat gap): apply it first, in the same handler and commit.
+            m.touch(Op.STARTED, now)
+            started = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
         if call.op is Op.STARTED:
             event: Any = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
             final = None
@@ -220,7 +227,7 @@ class LeaseActor(Actor):
             return {}
         try:
             await peers.ask_run(self.s, rec.run_id,
-                                ApplyAttempt(rec.lease_id, call.op, stored, event))
+                                ApplyAttempt(rec.lease_id, call.op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer

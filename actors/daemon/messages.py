@@ -83,12 +83,16 @@ class ApplyAttempt:
     """A lease call that changes the run: persist it under the durable guard, then answer.
 
     `lease` is the updated lease record to store in the same transaction.
+    `started` is set when an at_least_once worker folded its `started` into this
+    `complete` or `fail` (docs/leases.md "A folded started"): the run applies
+    that event first, written behind, so both ride one commit.
     """
 
     lease_id: str
     op: Op
     lease: Any  # dict: the updated lease record
     event: Any
+    started: Any = None  # AttemptStarted, or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -331,27 +331,23 @@ class RunActor(Actor):
         return lease
 
     async def _apply_attempt(self, msg: ApplyAttempt) -> None:
-        queued_at = None
-        if msg.op is Op.STARTED and self.machine.record.frame is not None:
-            slot = self.machine.record.frame.slot(msg.event.item_index)
-            queued_at = None if slot is None else slot.queued_at
         now = self.s.clock.time_ms()
+        if msg.op is Op.STARTED:
+            self._sample_schedule_to_start(msg.event, now)
+        before = None
+        if msg.started is not None:
+            # A folded `started` (at_least_once): applied first, and written in
+            # the same commit as the call it rode in (docs/leases.md).
+            self._sample_schedule_to_start(msg.started, now)
+            try:
+                before = self.machine.handle(msg.started, now)
+            except Conflict:
+                before = None  # the attempt moved on: the call below hears why
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             try:
                 tr = self.machine.handle(msg.event, now)
             except Conflict:
                 return  # told, not asked: the lease's next call gets the refusal
-        else:
-            try:
-                tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
-            except Conflict:
-                if self._landed(msg):
-                    return  # this very call landed before an incarnation died under it
-                raise
-        if queued_at is not None:
-            stats = self.s.stats
-            stats.sample(stats.schedule_to_start, (now - queued_at) / 1000.0)
-        if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
@@ -361,12 +357,34 @@ class RunActor(Actor):
             self._arm()
             return
         try:
+            tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+        except Conflict:
+            if before is not None:  # what did apply is written behind, as a `started` is
+                self.s.storage.write_deferred(store.apply_txn, store.deferred(self._write(
+                    before, leases=[dict(msg.lease, status=LeaseStatus.STARTED.text,
+                                         ended_at=None, call=None)])))
+                self._arm()
+            if self._landed(msg):
+                return  # this very call landed before an incarnation died under it
+            raise
+        if before is not None:
+            tr.journal[:0] = before.journal
+            tr.effects[:0] = before.effects
+        try:
             await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
         except Conflict as exc:
             # Memory said yes, the durable record says no: memory is wrong. Crash;
             # the asker gets ActorDead and asks the rebuilt incarnation again.
             raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
         await self._effects(tr)
+
+    def _sample_schedule_to_start(self, event: Any, now: int) -> None:
+        frame = self.machine.record.frame
+        if frame is not None:
+            slot = frame.slot(event.item_index)
+            if slot is not None and slot.queued_at is not None:
+                stats = self.s.stats
+                stats.sample(stats.schedule_to_start, (now - slot.queued_at) / 1000.0)
 
     def _landed(self, msg: ApplyAttempt) -> bool:
         """The call `msg` carries is on record already: this very call landed.
