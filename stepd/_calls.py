@@ -210,7 +210,7 @@ class LeaseCalls:
                                 "without them", self.name, lease_id, exc)
                     body = {k: v for k, v in body.items() if k != "local_steps"}
                     await self._call(op, lease_id, body,
-                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=active)
+                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
                     return
                 # The daemon refused what the body produced (output not JSON, a
                 # state patch that is not an object, an unknown error class...):
