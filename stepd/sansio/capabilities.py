@@ -88,8 +88,15 @@ class WorkerCapabilities:
 
 
 def gated(body: Mapping[str, Any]) -> bool:
-    """Whether a completion carries any capability-specific field (else the gate is free)."""
-    return any(body.get(name) is not None for name in GATED_FIELDS)
+    """Whether a completion carries any capability-specific field (else the gate is free).
+
+    A plain loop: it runs for every ``complete``, and a generator would cost a
+    frame per call on the hot path.
+    """
+    for name in GATED_FIELDS:
+        if body.get(name) is not None:
+            return True
+    return False
 
 
 def check_completion(worker: WorkerCapabilities, body: Mapping[str, Any], *,
