@@ -81,7 +81,7 @@ class Active:
     """
 
     __slots__ = ("beat_scope", "beating", "body", "born_at", "born_tick", "ctx", "finished",
-                 "in_body", "lease", "local_ctx", "local_records", "outcome", "poke",
+                 "in_body", "lease", "local_async", "local_ctx", "local_records", "outcome", "poke",
                  "poke_pending", "reported", "scope", "started_done", "started_on",
                  "started_state")
 
@@ -112,6 +112,7 @@ class Active:
         # and the context of the local body running now (cancelled with this one).
         self.local_records: list[dict[str, Any]] | None = None
         self.local_ctx: StepContext | None = None
+        self.local_async = False  # that local body is async: a cancel interrupts it
 
 
 class Runner:

@@ -150,7 +150,9 @@ class LeaseProtocol(LeaseCalls):
                      ctx.step_id, ctx.lease_id, reason)
             # A sync body keeps its slot until its thread returns: only async ones are
             # interrupted (the grace period's end interrupts both).
-            if active.in_body and active.body.is_async:
+            # A local body running after the parent's (`stepd._local`) is judged by its own.
+            running_async = active.local_async if local is not None else active.body.is_async
+            if active.in_body and running_async:
                 active.scope.cancel()
 
     def _cancel_body(self, ctx: StepContext) -> None:

@@ -43,13 +43,13 @@ from stepd.context import StepContext
 from stepd.sansio.definition import parse_retry
 from stepd.sansio.errors import Invalid as EngineInvalid
 from stepd.sansio.errors import TemplateError
+from stepd.sansio.run import ALWAYS_RETRIED
 from stepd.sansio.templates import TemplateContext, render
 
 log = logging.getLogger("stepd.worker")
 
 #: Error class of a local step whose attempts together passed ``total_timeout_ms``.
 TOTAL_TIMEOUT: Final = "total_timeout"
-_RETRIED: Final = frozenset({"retryable", "timeout"})
 
 
 def _ms() -> int:
@@ -185,7 +185,7 @@ class LocalSteps:
             if outcome[1] == TOTAL_TIMEOUT:
                 record["error"] = error
                 return record
-            if not (outcome[1] in _RETRIED or outcome[1] in retry.retry_on) \
+            if not (outcome[1] in ALWAYS_RETRIED or outcome[1] in retry.retry_on) \
                     or number == retry.max_attempts:
                 record["error"] = error
                 return record
@@ -210,7 +210,7 @@ class LocalSteps:
         ctx = StepContext(lease)
         host = LocalHost(parent, deadline, why)
         ctx._host = host
-        active.local_ctx = ctx
+        active.local_ctx, active.local_async = ctx, body.is_async
         local = Active(lease, ctx, body, active.scope)
         try:
             if body.is_async and deadline is not None:

@@ -243,3 +243,32 @@ def test_shutdown_completes_the_parent_with_the_local_steps_finished_so_far(
     second = fast_stack.worker(wf, name="second")  # no local steps: long comes as a lease
     with serving(second):
         assert run.result(timeout=20) == "as a lease"
+
+
+def test_losing_the_parent_lease_stops_the_local_body(fast_stack: Stack) -> None:
+    """The parent's ``timeout_ms`` covers its local steps (one lease): when it passes, the
+    daemon fences the lease and the local body is stopped; nothing of it is reported."""
+    name = unique("fenced-local")
+    stopped = threading.Event()
+
+    def prep(ctx: stepd.StepContext) -> str:
+        return "p"
+
+    async def long(ctx: stepd.StepContext) -> str:
+        try:
+            await anyio.sleep(30)
+        except BaseException:
+            stopped.set()
+            raise
+        return "never"
+
+    wf = (stepd.Workflow(name).then(prep, timeout=200, retry=stepd.Retry(max_attempts=1))
+          .then(long, local=True))
+    worker = fast_stack.worker(wf, local_steps=True)
+    with serving(worker):
+        run = fast_stack.client.start(name)
+        eventually(lambda: fast_stack.client.status(run).status == "failed", what="the failure")
+        assert stopped.wait(10)
+    events = fast_stack.client.journal(run)
+    assert [e["error_class"] for e in events if e["type"] == "step_failed"] == ["timeout"]
+    assert not [e for e in events if e.get("execution_mode")]
