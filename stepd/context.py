@@ -402,6 +402,11 @@ class StepContext:
         Never blocks and never raises: calls are coalesced (at most one
         heartbeat per throttle interval, the last progress wins). Safe from any
         thread. The worker heartbeats every ``heartbeat_ms`` anyway.
+
+        In a local step (``.then(body, local=True)``, docs/affinity.md) it sends
+        nothing (the parent lease is renewed on its own): it keeps the progress
+        for the step's record and raises `stepd.Cancelled` once the step must
+        stop (its timeout, the parent lease lost, shutdown).
         """
         if progress is not None:
             self._progress = progress
