@@ -470,9 +470,9 @@ def parse_cancel(body: Any) -> dict[str, Any]:
     b = _body_or_empty(body)
     _closed(b, frozenset({"reason"}), "")
     reason = b.get("reason")
-    if reason is not None and (not isinstance(reason, str) or not reason.strip()
+    if reason is not None and (not isinstance(reason, str) or not reason
                                or len(reason) > MAX_REASON_CHARS):
-        raise Invalid(f"must be a non-blank string of at most {MAX_REASON_CHARS} characters, "
+        raise Invalid(f"must be a non-empty string of at most {MAX_REASON_CHARS} characters, "
                       "or null", field="reason")
     return {"reason": reason}
 

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from stepd.cli.common import EXIT_RUN_FAILED, CliError, json_text, printable
 
@@ -169,7 +169,7 @@ def watch_run(client: Any, run_id: str, *, as_json: bool = False,
 class _Output:
     """Where the events go; a context manager around the whole watch."""
 
-    def __enter__(self) -> _Output:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -220,7 +220,7 @@ class _PlainOutput(_TextOutput):
 class _LiveOutput(_TextOutput):
     """rich's live display for a terminal: events above, the progress line redrawn below."""
 
-    def __enter__(self) -> _Output:
+    def __enter__(self) -> Self:
         from rich.live import Live
         from rich.text import Text
 

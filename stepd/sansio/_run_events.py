@@ -11,7 +11,6 @@ import math
 
 from ._run_base import (
     END,
-    iso_ms,
     MAX_BUFFERED_SIGNAL_BYTES,
     MAX_BUFFERED_SIGNALS,
     MAX_IMMEDIATE_STEPS,
@@ -19,6 +18,7 @@ from ._run_base import (
     MAX_TOKEN_TOTAL,
     _jump_of,
     _retry_of,
+    iso_ms,
     span_id_for,
     trace_id_for,
 )

@@ -176,7 +176,7 @@ def drive_flow() -> tuple[RunMachine, Recorder]:
 
 @pytest.mark.parametrize("step", ["plan", "fan", "gate"])
 def test_a_fork_keeps_the_history_and_the_record_as_they_were_after_the_step(step: str) -> None:
-    m, rec = drive_flow()
+    _, rec = drive_flow()
     then = rec.after[step]
     f, tr = fork(rec.machine, rec.journal, step)
     seq = then["seq"]
@@ -201,7 +201,7 @@ def test_the_fork_runs_on_to_the_end_with_the_steps_it_kept() -> None:
     f, tr = fork(m, rec.journal, "gate")
     assert runnable(tr) == [("sum", None, 1)]
     drv = Driver(f)
-    lease, fence = drv.offer("sum", now=10_001)
+    _, fence = drv.offer("sum", now=10_001)
     assert fence == 1 and f.record.fences["plan"] == 1  # fences go on from the history
     f.handle(AttemptStarted("sum", None, fence), 10_002)
     f.handle(AttemptCompleted("sum", None, fence, 99), 10_003)
@@ -221,7 +221,7 @@ def test_a_fork_follows_the_jump_the_step_output_asked_for() -> None:
     m, tr = start(defn([task("a"), task("b"), task("c")]))
     rec = Recorder(m, tr.journal)
     rec.run("a", {"_next_step": "c"})
-    f, ftr = fork(m, rec.journal, "a")
+    _, ftr = fork(m, rec.journal, "a")
     assert runnable(ftr) == [("c", None, 1)]
 
 

@@ -169,7 +169,7 @@ def test_cancel_takes_a_reason(keyed: DaemonProcess) -> None:
         with keyed.client(KEYS["worker"]) as wc:
             Worker(wc, [task_def(name, "a")])
         run_id = start_run(c, name)
-        for body in ({"reason": ""}, {"reason": "  "}, {"reason": 3}, {"reason": "x" * 1001}):
+        for body in ({"reason": ""}, {"reason": 3}, {"reason": "x" * 1001}):
             r = c.post(f"/v1/api/runs/{run_id}/cancel", json=body)
             assert r.status_code == 400 and r.json()["field"] == "reason", (body, r.text)
         r = c.post(f"/v1/api/runs/{run_id}/cancel", json={"reason": "wrong customer"})
