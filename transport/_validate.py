@@ -444,18 +444,24 @@ _START_KEYS: Final = frozenset(
 )
 
 
+def _idempotency_key(key: Any) -> str | None:
+    """An ``idempotency_key`` field: null, or 1 to 256 bytes of UTF-8."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise Invalid("must be a non-empty string or null", field="idempotency_key")
+    if len(key) > 256 or len(key.encode("utf-8", "surrogatepass")) > 256:
+        raise Invalid("must be at most 256 bytes of UTF-8", field="idempotency_key")
+    return key
+
+
 def parse_start_run(body: Any) -> dict[str, Any]:
     """``StartRunRequest`` -> arguments of `Daemon.start_run`."""
     b = _body(body)
     _closed(b, _START_KEYS, "")
     workflow = check_name(_required(b, "workflow", ""), "workflow")
     input_ = _required(b, "input", "")
-    key = b.get("idempotency_key")
-    if key is not None:
-        if not isinstance(key, str) or not key:
-            raise Invalid("must be a non-empty string or null", field="idempotency_key")
-        if len(key) > 256 or len(key.encode("utf-8", "surrogatepass")) > 256:
-            raise Invalid("must be at most 256 bytes of UTF-8", field="idempotency_key")
+    key = _idempotency_key(b.get("idempotency_key"))
     deadline = b.get("deadline_ms")
     if deadline is not None:
         deadline = check_int(deadline, "deadline_ms", minimum=1)
@@ -476,10 +482,33 @@ def parse_signal(body: Any) -> dict[str, Any]:
     return {"name": check_name(_required(b, "name", ""), "name"), "payload": b.get("payload")}
 
 
+#: The longest cancel reason (characters): it is journaled and shown in the run's status.
+MAX_REASON_CHARS: Final = 1000
+
+
 def parse_cancel(body: Any) -> dict[str, Any]:
-    """``CancelRequest``: ``{}`` (or no body)."""
+    """``CancelRequest``: ``{"reason"?}`` (or no body)."""
+    b = _body_or_empty(body)
+    _closed(b, frozenset({"reason"}), "")
+    reason = b.get("reason")
+    if reason is not None and (not isinstance(reason, str) or not reason
+                               or len(reason) > MAX_REASON_CHARS):
+        raise Invalid(f"must be a non-empty string of at most {MAX_REASON_CHARS} characters, "
+                      "or null", field="reason")
+    return {"reason": reason}
+
+
+def parse_retry(body: Any) -> None:
+    """``RetryRequest``: ``{}`` (or no body)."""
     _closed(_body_or_empty(body), frozenset(), "")
-    return {}
+
+
+def parse_fork(body: Any) -> dict[str, Any]:
+    """``ForkRequest``: ``{"from_step", "idempotency_key"?}``."""
+    b = _body(body)
+    _closed(b, frozenset({"from_step", "idempotency_key"}), "")
+    return {"from_step": check_name(_required(b, "from_step", ""), "from_step"),
+            "idempotency_key": _idempotency_key(b.get("idempotency_key"))}
 
 
 def parse_kill(body: Any) -> str:

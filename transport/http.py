@@ -141,6 +141,8 @@ _RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
         ("result", "GET", Operation.RESULT),
         ("signal", "POST", Operation.SIGNAL),
         ("cancel", "POST", Operation.CANCEL),
+        ("retry", "POST", Operation.RETRY),
+        ("fork", "POST", Operation.FORK),
     )
 }
 

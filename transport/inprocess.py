@@ -138,6 +138,15 @@ class InProcess:
         return await self._call(Operation.CANCEL, target=run_id,
                                 body=NO_BODY if body is None else body)
 
+    async def retry(self, run_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/retry`` -> ``{"run_id", "status", "step_id"}``."""
+        return await self._call(Operation.RETRY, target=run_id,
+                                body=NO_BODY if body is None else body)
+
+    async def fork(self, run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/fork`` -> ``{"run_id", "created", "forked_from"}``."""
+        return await self._call(Operation.FORK, target=run_id, body=body)
+
     # -- operations ----------------------------------------------------------------------
 
     async def workers(self) -> dict[str, Any]:

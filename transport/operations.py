@@ -29,9 +29,11 @@ from ._validate import (
     parse_claim,
     parse_complete,
     parse_fail,
+    parse_fork,
     parse_heartbeat,
     parse_kill,
     parse_register,
+    parse_retry,
     parse_signal,
     parse_start_run,
     parse_started,
@@ -64,6 +66,8 @@ class Operation(IdentityEnum):
     RESULT = "result"
     SIGNAL = "signal"
     CANCEL = "cancel"
+    RETRY = "retry"
+    FORK = "fork"
     LIST_WORKERS = "list_workers"
     AUDIT = "audit"
     ACTORS = "actors"
@@ -227,9 +231,23 @@ async def _signal(p: Context, r: Request) -> Reply:
 
 
 async def _cancel(p: Context, r: Request) -> Reply:
-    parse_cancel(r.body)
-    await p.daemon.cancel(r.target, audit=r.audit)
+    args = parse_cancel(r.body)
+    await p.daemon.cancel(r.target, args["reason"], audit=r.audit)
     return Reply(200, {})
+
+
+async def _retry(p: Context, r: Request) -> Reply:
+    parse_retry(r.body)
+    return Reply(200, await p.daemon.retry(r.target, audit=r.audit))
+
+
+async def _fork(p: Context, r: Request) -> Reply:
+    args = parse_fork(r.body)
+    run_id, created = await p.daemon.fork(r.target, args["from_step"],
+                                          idempotency_key=args["idempotency_key"], audit=r.audit)
+    return Reply(201 if created else 200, {
+        "run_id": run_id, "created": created,
+        "forked_from": {"run_id": r.target, "step_id": args["from_step"]}})
 
 
 # --------------------------------------------------------------------------- the rest
@@ -301,6 +319,10 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
                                     in_txn=True, mutation=True),
     Operation.CANCEL: OperationSpec(_E, _act.RUNS_CANCEL, "run", "optional", _cancel,
                                     in_txn=True, mutation=True),
+    Operation.RETRY: OperationSpec(_E, _act.RUNS_RETRY, "run", "optional", _retry,
+                                   in_txn=True, mutation=True),
+    Operation.FORK: OperationSpec(_E, _act.RUNS_FORK, "run", "required", _fork,
+                                  in_txn=True, mutation=True),
     Operation.LIST_WORKERS: OperationSpec(_R, _act.WORKERS_READ, None, "none", _workers),
     Operation.AUDIT: OperationSpec(_A, _act.AUDIT_READ, None, "none", _audit),
     Operation.ACTORS: OperationSpec(_A, _act.ACTORS_READ, None, "none", _actors),

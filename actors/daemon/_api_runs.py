@@ -1,5 +1,5 @@
-"""The daemon API, run side: start, status, journal, export, list, result, signal, cancel
-(see `api`)."""
+"""The daemon API, run side: start, fork, status, journal, export, list, result, signal,
+cancel, retry (see `api`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from . import ids, listing, peers, store
 from ._api_base import ApiBase
 from .messages import (
     CancelRun,
+    RetryRun,
     Signal,
 )
 from .run import child_writes, walk_writes
@@ -66,26 +67,13 @@ class RunOps(ApiBase):
             raise Invalid("must be a non-empty string", field="workflow")
         if version is not None and not isinstance(version, str):
             raise Invalid("must be a string", field="version")
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not idempotency_key
-            or len(idempotency_key.encode()) > 400
-        ):
-            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
-        if not self.services.serving:
-            raise Unavailable("the daemon is shutting down")
-        entry = None if audit is None else (audit, self.audit.next_seq())
-        if idempotency_key is not None:
-            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
-            if isinstance(taken, dict):
-                known = str(taken["run_id"])
-                if entry is not None:
-                    await self.storage.write(store.audit_only_txn, entry, known, 200)
-                return known, False
+        entry, known = await self._before_create(idempotency_key, audit)
+        if known is not None:
+            return known, False
         definition = self.catalog.resolve(workflow, version)
         if definition is None:
             what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
             raise Unprocessable(f"{what} is not registered")
-        s = self.services
         now = self.clock.time_ms()
         run_id = ids.run_id(now)
         machine, tr = RunMachine.start(
@@ -93,6 +81,18 @@ class RunOps(ApiBase):
             correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
             resolve=self.catalog.resolve, max_depth=self.config.max_child_depth,
         )
+        return await self._create(machine, tr, now, idempotency_key, entry)
+
+    async def _create(self, machine: RunMachine, tr: Any, now: int, idempotency_key: str | None,
+                      entry: tuple[_audit.AuditEntry, int] | None) -> tuple[str, bool]:
+        """Write a new run (a start's or a fork's) in one transaction, then start its actor.
+
+        Returns:
+            (run id, created): the run an idempotency key already named, and
+            False, when the key was taken meanwhile.
+        """
+        s = self.services
+        run_id = machine.record.run_id
         w = store.RunWrite(
             run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
             due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
@@ -110,6 +110,91 @@ class RunOps(ApiBase):
         finally:
             s.creating.pop(run_id, None)
         return run_id, True
+
+    async def _before_create(
+        self, idempotency_key: str | None, audit: _audit.AuditEntry | None,
+    ) -> tuple[tuple[_audit.AuditEntry, int] | None, str | None]:
+        """What a start and a fork check first: the key, the daemon serving, the key's run.
+
+        Returns:
+            (the audit entry with its sequence number, the run the key named
+            already: its audit entry is then written, status 200).
+
+        Raises:
+            Invalid: a malformed idempotency key. Unavailable: shutting down.
+        """
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not idempotency_key
+            or len(idempotency_key.encode()) > 400
+        ):
+            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
+        if not self.services.serving:
+            raise Unavailable("the daemon is shutting down")
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        if idempotency_key is not None:
+            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
+            if isinstance(taken, dict):
+                known = str(taken["run_id"])
+                if entry is not None:
+                    await self.storage.write(store.audit_only_txn, entry, known, 200)
+                return entry, known
+        return entry, None
+
+    async def fork(self, run_id: str, from_step: str, *, idempotency_key: str | None = None,
+                   audit: _audit.AuditEntry | None = None) -> tuple[str, bool]:
+        """Start a new run from the last completion of `from_step` in `run_id` (DBOS's fork):
+        the journal up to there copied, state and usage as they were then
+        (`RunMachine.fork`). The link is written with it: the fork's
+        ``forked_from``, the source's ``forks`` (one transaction, with `audit`).
+
+        Returns:
+            (the fork's run id, created): created is False when `idempotency_key`
+            was used before (that run is returned).
+
+        Raises:
+            Invalid: (``from_step``) not a step of the run, or it has not completed.
+            NotFound: no such run. Unprocessable: its journal cannot be forked.
+            Unavailable: the daemon is shutting down.
+        """
+        if not isinstance(from_step, str) or not from_step:
+            raise Invalid("must be a non-empty string", field="from_step")
+        found = self.storage.read(store.fork_source_txn, run_id)
+        if found is None:
+            raise NotFound(f"run {run_id!r} not found")
+        raw, journal = found
+        source = self._machine(raw)
+        entry, known = await self._before_create(idempotency_key, audit)
+        if known is not None:
+            return known, False
+        now = self.clock.time_ms()
+        machine, tr = RunMachine.fork(
+            source=source.record, journal=journal, definition=source.definition,
+            from_step=from_step, run_id=ids.run_id(now), now_ms=now,
+            idempotency_key=idempotency_key, resolve=self.catalog.resolve,
+            max_depth=self.config.max_child_depth,
+        )
+        return await self._create(machine, tr, now, idempotency_key, entry)
+
+    async def retry(self, run_id: str, *, audit: _audit.AuditEntry | None = None) -> dict[str, Any]:
+        """Resume a failed run at its failed step with a fresh retry budget (`Retry`).
+
+        Persisted (with `audit`) before it answers, through the run's actor.
+
+        Returns:
+            ``{"run_id", "status", "step_id"}``: the status after the retry (it may
+            have failed again at once, e.g. on the same template) and the step
+            entered again.
+
+        Raises:
+            NotRetryable: not failed, failed on a budget, or past its deadline.
+            NotFound: no such run. Unavailable: shutting down.
+        """
+        self._record(run_id)
+        if not self.services.serving:
+            raise Unavailable("the daemon is shutting down")
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        answer = await peers.ask_run(self.services, run_id, RetryRun(entry))
+        return {"run_id": run_id, **answer}
 
     async def _activate_created(self, run_id: str, w: store.RunWrite, machine: RunMachine,
                                 tr: Any) -> None:
@@ -159,7 +244,13 @@ class RunOps(ApiBase):
         Raises:
             NotFound: no such run.
         """
-        return self._machine(self._record(run_id)).status_view()
+        return self._view(self._machine(self._record(run_id)))
+
+    def _view(self, m: RunMachine, *, forks: int | None = store.MAX_FORKS_SHOWN) -> dict[str, Any]:
+        """The machine's status view, with the runs forked from it (`forks`, from storage)."""
+        view = m.status_view()
+        view["forks"] = self.storage.read(store.forks_txn, m.record.run_id, forks)
+        return view
 
     def journal(self, run_id: str, *, after_seq: int = 0,
                 limit: int | None = None) -> list[dict[str, Any]]:
@@ -168,10 +259,11 @@ class RunOps(ApiBase):
             run_id, after_seq=after_seq, limit=limit)]
 
     def export(self, run_id: str) -> dict[str, Any]:
-        """Definition, version, hash, idempotency key, budget, state, journal and spans."""
+        """Definition, version, hash, idempotency key, budget, input, state, result (or
+        error), the fork links (every fork), journal and spans."""
         m = self._machine(self._record(run_id))
         journal = self.journal(run_id)
-        view = m.status_view()
+        view = self._view(m, forks=None)
         spans = [
             {"step_id": e.get("step_id"), "item_index": e.get("item_index"),
              "lease_id": e.get("lease_id"), **span}
@@ -182,7 +274,10 @@ class RunOps(ApiBase):
             "definition_version": view["definition_version"],
             "definition_hash": view["definition_hash"],
             "idempotency_key": view["idempotency_key"], "budget": view["budget"],
-            "usage": view["usage"], "status": view, "state": view["state"],
+            "usage": view["usage"], "status": view, "input": view["input"],
+            "correlation": view["correlation"], "state": view["state"],
+            "result": view["result"], "error": view["error"],
+            "forked_from": view["forked_from"], "forks": view["forks"],
             "journal": journal, "spans": spans,
         }
 
@@ -240,13 +335,18 @@ class RunOps(ApiBase):
         entry = None if audit is None else (audit, self.audit.next_seq())
         await peers.ask_run(self.services, run_id, Signal(name, payload, entry))
 
-    async def cancel(self, run_id: str, message: str = "cancelled", *,
+    async def cancel(self, run_id: str, message: str | None = None, *,
                      audit: _audit.AuditEntry | None = None) -> None:
         """Cancel a run; `audit` is written in its transaction.
+
+        Args:
+            message: the canceller's reason: the run's ``error.message`` and its
+                ``run_cancelled`` journal entry (default ``cancelled``).
 
         Raises:
             RunTerminal: already over. NotFound.
         """
+        message = message or "cancelled"
         self._record(run_id)
         entry = None if audit is None else (audit, self.audit.next_seq())
         await peers.ask_run(self.services, run_id, CancelRun(message, entry))

@@ -9,7 +9,7 @@ nothing below calls back up: the actors talk to each other by messages
 One method per operation of PROTOCOL.md: `register_worker`, `attach` (a push
 connection: WebSocket or in process), `claim` (HTTP long-poll), `lease_call`
 (started / heartbeat / complete / fail), `start_run`, `status`, `journal`,
-`export`, `list_runs`, `result`, `signal`, `cancel`, `workers`,
+`export`, `list_runs`, `result`, `signal`, `cancel`, `retry`, `fork`, `workers`,
 `definitions`, `actors`, `kill`. Mutations take the audit entry of the call
 (`audit.AuditEntry`) and write it in their own transaction: a change is on
 record if and only if its entry is.

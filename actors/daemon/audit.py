@@ -69,6 +69,8 @@ class AuditAction(IdentityEnum):
     RUNS_START = "runs.start"
     RUNS_SIGNAL = "runs.signal"
     RUNS_CANCEL = "runs.cancel"
+    RUNS_RETRY = "runs.retry"
+    RUNS_FORK = "runs.fork"
     ACTORS_READ = "actors.read"
     ACTORS_KILL = "actors.kill"
     AUDIT_READ = "audit.read"

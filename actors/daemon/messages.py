@@ -5,7 +5,7 @@ Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
 * API -> lease actor: `LeaseCall` (ask)
 * lease actor -> run actor: `ApplyAttempt` (ask), `AttemptNote` (tell)
 * session actor -> run actor: `Offer` (ask)
-* API -> run actor: `Signal`, `CancelRun` (asks); recovery -> run: `Resync`, `InboxChanged`
+* API -> run actor: `Signal`, `CancelRun`, `RetryRun` (asks); recovery -> run: `Resync`, `InboxChanged`
 * run actor -> lease actor: `EndLease`; -> registry: `Announce`, `WithdrawSlots`
 * lease actor -> session actor: `LeaseEnded`
 * API / connections -> session actor: `Attach`, `Detach`, `Grant`, `ClaimSlots`,
@@ -115,6 +115,13 @@ class Signal:
 class CancelRun:
     message: str = "cancelled"
     audit: Any = None  # an AuditEntry written in the cancel's transaction
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRun:
+    """Resume a failed run at its failed step (answered with its status and that step)."""
+
+    audit: Any = None  # an AuditEntry written in the retry's transaction
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from stepd.sansio.events import (
     EndLeases,
     InternalFailure,
     NotifyParent,
+    Retry,
     RunEnded,
     Runnable,
     SignalReceived,
@@ -53,6 +54,7 @@ from .messages import (
     InboxChanged,
     Offer,
     Resync,
+    RetryRun,
     Signal,
 )
 from .services import Services
@@ -278,6 +280,9 @@ class RunActor(Actor):
         if isinstance(message, CancelRun):
             await self._handle(Cancel(message.message), audit=message.audit)
             return None
+        if isinstance(message, RetryRun):
+            tr = await self._handle(Retry(), audit=message.audit)
+            return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
         if isinstance(message, InboxChanged):
             await self._drain_inbox()
             return None

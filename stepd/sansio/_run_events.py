@@ -18,6 +18,7 @@ from ._run_base import (
     MAX_TOKEN_TOTAL,
     _jump_of,
     _retry_of,
+    iso_ms,
     span_id_for,
     trace_id_for,
 )
@@ -28,7 +29,7 @@ from .definition import (
     StartWorkflowsStep,
     TaskStep,
 )
-from .errors import Fenced, Invalid
+from .errors import Fenced, Invalid, NotRetryable
 from .events import (
     AttemptCompleted,
     AttemptFailed,
@@ -43,6 +44,7 @@ from .events import (
     Cancel,
     ChildFinished,
     InternalFailure,
+    Retry,
     SignalReceived,
     Tick,
     Transition,
@@ -169,6 +171,7 @@ class _RunEvents(_RunLocal):
         )
         slot.phase = SlotPhase.DONE
         if isinstance(step, TaskStep):
+            tr.journal[-1]["output"] = ev.output  # even null: see `_finish_step`
             f.slots.remove(slot)
             nxt = self._finish_step(
                 step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units, jump=jump,
@@ -194,7 +197,7 @@ class _RunEvents(_RunLocal):
             r.state = {**r.state, **patch}
             r.state_bytes = self._size(r.state)
             self._journal(tr, now, "state_patched", step_id=step.id, item_index=ev.item_index,
-                          keys=sorted(patch))
+                          keys=sorted(patch), values=dict(patch))
         assert ev.item_index is not None
         f.slots.remove(slot)
         f.outputs[ev.item_index] = ev.output
@@ -397,3 +400,36 @@ class _RunEvents(_RunLocal):
         })
         return tr
 
+
+    def _on_retry(self, ev: Retry, now: int) -> Transition:
+        """Enter the failed step again (a new visit: attempt 1 of a fresh retry budget).
+
+        Budgets and the deadline still apply, so a run that failed on a budget
+        (a retry would breach it again: the usage stays) or whose deadline has
+        passed is refused, and nothing changes.
+        """
+        r = self.record
+        error = r.error or {}
+        if error.get("reason") == ErrorReason.BUDGET_EXCEEDED.value:
+            budget = error.get("budget")
+            raise NotRetryable(
+                f"run {r.run_id} failed on its budget {budget} ({error.get('message')}); "
+                "budgets still apply to a retry, which would breach it again: start a new "
+                "run, or fork this one from an earlier step", budget=budget)
+        if r.deadline_at is not None and r.deadline_at <= now:
+            raise NotRetryable(f"run {r.run_id}'s deadline passed at {iso_ms(r.deadline_at)}: "
+                               "a retry would time out at once")
+        step_id = error.get("step_id")
+        index = 0 if step_id is None else self.definition.index_of(step_id)
+        tr = Transition()
+        r.status = RunStatus.RUNNING
+        r.error = None
+        r.begun = True
+        self._journal(tr, now, "run_retried", step_id=self.definition.steps[index].id,
+                      error=error or None)
+        self._run_steps_from(index, tr, now)
+        return tr
+
+    def _retry_refused(self, ev: Retry, now: int) -> Transition:
+        raise NotRetryable(f"run {self.record.run_id} is {self.record.status.value}: only a "
+                           "failed run can be retried")

@@ -130,7 +130,16 @@ class ChildFinished:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    message: str = "cancelled"
+    message: str = "cancelled"  # the run's error message: the canceller's reason, if given
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Resume a failed run at the step it failed on, with a fresh retry budget.
+
+    The operator's decision (the retry API), so the step is entered again as
+    a new visit whatever its delivery: budgets and the deadline still apply.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +174,7 @@ Event = (
     | Cancel
     | InternalFailure
     | Begin
+    | Retry
 )
 
 # --------------------------------------------------------------------------- effects

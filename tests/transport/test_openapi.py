@@ -58,6 +58,8 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("get", "/v1/api/runs/{run}/result"): "read",
     ("post", "/v1/api/runs/{run}/signal"): "execute",
     ("post", "/v1/api/runs/{run}/cancel"): "execute",
+    ("post", "/v1/api/runs/{run}/retry"): "execute",
+    ("post", "/v1/api/runs/{run}/fork"): "execute",
     ("get", "/v1/api/workers"): "read",
     ("get", "/v1/api/audit"): "admin",
     ("get", "/v1/api/actors"): "admin",
@@ -396,7 +398,9 @@ def test_free_json_is_free(validate: Any) -> None:
         ("CompleteRequest", {"output": 1, "statePatch": {}}),
         ("FailRequest", {"error": {"class": "fatal", "stack": "..."}}),
         ("StartedRequest", {"x": 1}),
-        ("CancelRequest", {"reason": "x"}),
+        ("CancelRequest", {"why": "x"}),
+        ("RetryRequest", {"from_step": "a"}),
+        ("ForkRequest", {"from_step": "a", "step": "b"}),
     ],
 )
 def test_request_bodies_refuse_unknown_keys(validate: Any, name: str, body: dict[str, Any]) -> None:
