@@ -258,7 +258,8 @@ class TraceBuilder:
             "stepd.fence": a.fence, "stepd.delivery": a.delivery, "stepd.outcome": outcome,
             **extra,
         })
-        events = () if a.started_ms is None else (("started", a.started_ms, {}),)
+        events: tuple[tuple[str, int, dict[str, Any]], ...] = (
+            () if a.started_ms is None else (("started", a.started_ms, {}),))
         return SpanData(trace_id, span_id_for(lease_id), run_span_id(run_id), name,
                         a.start_ms, max(end_ms, a.start_ms), attributes, error, (), events)
 
