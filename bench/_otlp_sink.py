@@ -113,7 +113,7 @@ def _handler(sink: OtlpSink) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def do_POST(self) -> None:  # http.server calls it by this name
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length)
             if self.headers.get("Content-Encoding") == "gzip":

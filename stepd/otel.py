@@ -84,8 +84,8 @@ def traces_url(endpoint: str) -> str:
 def _require() -> None:
     """Raises: Invalid naming the extra to install, when OpenTelemetry is missing."""
     try:
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
-        import opentelemetry.sdk.trace  # noqa: F401
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter
+        import opentelemetry.sdk.trace  # noqa: F401 - imported to see that it is there
     except ImportError as exc:
         raise Invalid(
             f"exporting traces needs the OpenTelemetry packages ({exc.name or exc} is not "
@@ -206,7 +206,7 @@ class SpanExport:
             closing = self._closing
             try:
                 self._drain()
-            except Exception:  # noqa: BLE001 - a bug here must not stop export for good
+            except Exception:  # a bug here must not stop export for good
                 log.exception("stepd: span export failed; going on")
             if closing and not self._queue:
                 return

@@ -114,6 +114,7 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry") or m == "st
 
 def test_without_an_endpoint_nothing_of_opentelemetry_is_imported(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", NO_IMPORT, str(tmp_path / "data")],
-                          capture_output=True, text=True, timeout=60, env=clean_env(), cwd=ROOT)
+                          check=False, capture_output=True, text=True, timeout=60, env=clean_env(),
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["True", "[]"]

@@ -142,7 +142,8 @@ def test_serve_without_the_extra_names_what_to_install(tmp_path: Path) -> None:
                "main(['serve', '--data', sys.argv[1], '--port', '0', "
                "'--otlp-endpoint', 'http://127.0.0.1:4318'])\n")
     proc = subprocess.run([sys.executable, "-c", program, str(tmp_path / "data")],
-                          capture_output=True, text=True, timeout=60, env=clean_env(), cwd=ROOT)
+                          check=False, capture_output=True, text=True, timeout=60, env=clean_env(),
+                          cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'stepd[otel]'" in proc.stderr
     assert "otlp_endpoint" in proc.stderr
@@ -157,6 +158,7 @@ def test_a_bad_endpoint_is_refused_naming_the_flag(tmp_path: Path) -> None:
 
     proc = subprocess.run([sys.executable, "-m", "stepd", "serve", "--data", str(tmp_path / "d"),
                            "--port", "0", "--otlp-endpoint", "collector:4318"],
-                          capture_output=True, text=True, timeout=60, env=clean_env(), cwd=ROOT)
+                          check=False, capture_output=True, text=True, timeout=60, env=clean_env(),
+                          cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert "otlp_endpoint" in proc.stderr and "http://" in proc.stderr
