@@ -4,32 +4,45 @@
 otlp_endpoint=URL)`` export over OTLP/HTTP (protobuf) what the daemon
 commits: a span per run, per step attempt, and the body spans workers
 report (`stepd.sansio.trace` says which and with what attributes). The
-OpenTelemetry packages are an extra (``pip install 'stepd[otel]'``); this
-module imports them only when an export is opened, so a daemon without the
-flag imports nothing of them and does no work per step.
+OpenTelemetry packages are an extra (``pip install 'stepd[otel]'``); the
+daemon's process never imports them, and without the flag nothing of this
+runs at all: no work per step.
 
-Why a hand-off of our own rather than OpenTelemetry's ``BatchSpanProcessor``
-behind a tracer: the spans describe committed journal entries, so they are
-built after the commit, from the write itself, and building them (hashing
-ids, converting attributes, making SDK span objects) is work the event loop
-should not do. The loop's whole share is `SpanExport.committed`: one length
-check and one ``deque.append`` per committed write. One thread of the
-export's own drains the queue, builds the spans (`TraceBuilder`), and sends
-them in batches through OpenTelemetry's ``OTLPSpanExporter`` (which honours
-``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``,
-``..._CERTIFICATE`` and their ``..._TRACES_...`` forms). The queue is
-bounded: when the collector is slow or gone, writes are dropped and counted
-(`ExportStats.dropped`), never waited for.
+Where the work happens, and why:
+
+* On the event loop, `SpanExport.committed`: one length check and one
+  ``deque.append`` per committed run write. The queue is bounded
+  (`MAX_QUEUE`); when it is full the write is dropped and counted
+  (`ExportStats.dropped`), never waited for.
+* On the export's thread: every ``OTEL_BSP_SCHEDULE_DELAY`` (or sooner, at
+  `WAKE_AT` queued writes) it takes what is queued, keeps of each write only
+  what spans are made of (`_slim`: the journal entries that open or end
+  attempts and runs, the lease records, a few fields of the run record),
+  and sends that as one msgpack frame down a pipe; then it waits for the
+  frame's answer. One frame in flight: a slow collector backs up into the
+  bounded queue, where it is counted, not into memory.
+* In a child process (`stepd._otel_child`, started and stopped with the
+  export, by PID): the `TraceBuilder`, the SDK span objects and the protobuf
+  encoding, and OpenTelemetry's ``OTLPSpanExporter`` (which honours
+  ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``,
+  ``..._CERTIFICATE`` and their ``..._TRACES_...`` forms). Building and
+  encoding a span costs tens of microseconds of Python; done in the daemon's
+  process it took the GIL from the event loop (bench B with export on lost
+  a quarter of its throughput on 2 cores). In its own process it runs on
+  the other core.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +51,10 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.to_thread
 
+import msgpack
+
 from stepd.sansio.errors import Invalid
-from stepd.sansio.trace import SpanData, TraceBuilder
+from stepd.sansio.trace import RUN_ENDS
 
 __all__ = ["INSTALL_HINT", "ExportStats", "SpanExport", "open_export", "traces_url"]
 
@@ -82,14 +97,18 @@ def traces_url(endpoint: str) -> str:
 
 
 def _require() -> None:
-    """Raises: Invalid naming the extra to install, when OpenTelemetry is missing."""
-    try:
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter
-        import opentelemetry.sdk.trace  # noqa: F401 - imported to see that it is there
-    except ImportError as exc:
-        raise Invalid(
-            f"exporting traces needs the OpenTelemetry packages ({exc.name or exc} is not "
-            f"installed): {INSTALL_HINT}", field="otlp_endpoint") from exc
+    """Raises: Invalid naming the extra to install, when OpenTelemetry is missing.
+
+    Looks without importing (the child process imports).
+    """
+    for name in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise Invalid(f"exporting traces needs the OpenTelemetry packages ({name} is not "
+                          f"installed): {INSTALL_HINT}", field="otlp_endpoint")
 
 
 def _env_number(name: str, default: float) -> float:
@@ -124,16 +143,37 @@ class ExportStats:
     forgotten: int
 
 
+#: Journal entry types a span is made of (`TraceBuilder.feed` reads no others).
+_TRACED = frozenset({"step_offered", "step_started", "step_completed", "step_failed",
+                     "step_unservable", "step_recovered"})
+#: The run record's fields a run span is made of.
+_RUN_FIELDS = ("workflow", "version", "hash", "created_at", "correlation", "idempotency_key",
+               "parent", "input_tokens", "output_tokens", "cost_usd")
+
+
+def _slim(run_id: str, record: Any, journal: Any, leases: Any, lease_status: Any) -> Any:
+    """What of a write the child needs: no run state, inputs or results cross the pipe."""
+    entries = []
+    ends = False
+    for entry in journal:
+        kind = entry.get("type")
+        if kind in _TRACED:
+            entries.append(entry)
+        elif kind in RUN_ENDS:
+            ends = True
+            entries.append({"type": kind, "at": entry.get("at"), "error": entry.get("error")})
+    run = {k: record.get(k) for k in _RUN_FIELDS} if ends else {}
+    return (run_id, run, entries, leases, lease_status)
+
+
 class SpanExport:
-    """The daemon's span export: a bounded hand-off, a thread, an OTLP/HTTP exporter.
+    """The daemon's span export: a bounded hand-off, a thread, a child process (see above).
 
     Open with `open_export` (or `start` and `close`). `committed` is the
     `stepd.actors.daemon.services.TraceSink` the run actors call.
 
     Args:
         endpoint: the collector (see `traces_url`).
-        exporter: an OpenTelemetry ``SpanExporter`` to use instead of OTLP/HTTP
-            (tests of the hand-off; the daemon always sends OTLP/HTTP).
         max_queue: `MAX_QUEUE`.
 
     Raises:
@@ -141,15 +181,9 @@ class SpanExport:
             not installed (the message names `INSTALL_HINT`).
     """
 
-    def __init__(self, endpoint: str, *, exporter: Any = None, max_queue: int = MAX_QUEUE) -> None:
+    def __init__(self, endpoint: str, *, max_queue: int = MAX_QUEUE) -> None:
         self.url = traces_url(endpoint)
         _require()
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        from stepd import _otel_spans
-
-        self._exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=self.url)
-        self._convert = _otel_spans.Converter()
         self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_S * 1000) / 1000
         self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH))
         self._max_queue = max_queue
@@ -157,10 +191,11 @@ class SpanExport:
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._builder = TraceBuilder()
+        self._proc: subprocess.Popen[bytes] | None = None
         self._dropped = 0
         self._exported = 0
         self._failed = 0
+        self._forgotten = 0
 
     # -- the event loop's side ------------------------------------------------------------
 
@@ -178,16 +213,20 @@ class SpanExport:
     def statistics(self) -> ExportStats:
         return ExportStats(queued=len(self._queue), dropped=self._dropped,
                            exported=self._exported, failed=self._failed,
-                           forgotten=self._builder.forgotten)
+                           forgotten=self._forgotten)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the child process and the thread that feeds it."""
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "stepd._otel_child", self.url, str(self._batch)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._thread = threading.Thread(target=self._main, name="stepd-otel-export", daemon=True)
         self._thread.start()
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Send what is queued (at most ``timeout_s``), stop the thread, shut the exporter."""
+        """Send what is queued (at most ``timeout_s``), then stop the thread and the child."""
         self._closing = True
         self._wake.set()
         if self._thread is not None:
@@ -195,46 +234,64 @@ class SpanExport:
             if self._thread.is_alive():
                 log.warning("stepd: span export did not finish within %.0f s; %d writes unsent",
                             timeout_s, len(self._queue))
-        self._exporter.shutdown()
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)  # only when the thread gave up on it
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
     # -- the export thread ----------------------------------------------------------------
 
     def _main(self) -> None:
-        while True:
-            self._wake.wait(self._delay_s)
-            self._wake.clear()
-            closing = self._closing
-            try:
-                self._drain()
-            except Exception:  # a bug here must not stop export for good
-                log.exception("stepd: span export failed; going on")
-            if closing and not self._queue:
-                return
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            while True:
+                self._wake.wait(self._delay_s)
+                self._wake.clear()
+                closing = self._closing
+                if self._queue and not self._send(proc.stdin, proc.stdout):
+                    return
+                if closing and not self._queue:
+                    break
+            proc.stdin.close()  # the child sends what it holds, answers, and exits
+            self._answer(proc.stdout)
+            proc.wait(CLOSE_TIMEOUT_S)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            log.error("stepd: the span export process failed (%r); spans are no longer "
+                      "exported", exc)
 
-    def _drain(self) -> None:
+    def _send(self, pipe: Any, answers: Any) -> bool:
+        """One frame of what is queued, then its answer. False: the child is gone."""
         queue = self._queue
-        pending: list[SpanData] = []
-        while queue:
-            run_id, record, journal, leases, lease_status = queue.popleft()
-            pending.extend(self._builder.feed(run_id, record, journal, leases, lease_status))
-            if len(pending) >= self._batch:
-                self._send(pending[:self._batch])
-                del pending[:self._batch]
-        if pending:
-            self._send(pending)
+        writes = []
+        while queue and len(writes) < 4 * WAKE_AT:
+            writes.append(_slim(*queue.popleft()))
+        frame = msgpack.packb(writes, default=str)
+        try:
+            pipe.write(len(frame).to_bytes(4, "big") + frame)
+            pipe.flush()
+        except OSError as exc:
+            self._dropped += len(writes) + len(queue)
+            queue.clear()
+            log.error("stepd: the span export process is gone (%r); spans are no longer "
+                      "exported", exc)
+            return False
+        return self._answer(answers)
 
-    def _send(self, spans: list[SpanData]) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        batch = self._convert.spans(spans)
-        t0 = time.perf_counter()
-        result = self._exporter.export(batch)
-        if result is SpanExportResult.SUCCESS:
-            self._exported += len(batch)
-        else:
-            self._failed += len(batch)
-            log.warning("stepd: %d spans not accepted by %s (after %.1f s)", len(batch), self.url,
-                        time.perf_counter() - t0)
+    def _answer(self, answers: Any) -> bool:
+        """Read the child's counts after a frame: ``exported failed forgotten`` (totals)."""
+        line = answers.readline()
+        if not line:
+            return False
+        exported, failed, forgotten = (int(x) for x in line.split())
+        self._exported, self._failed, self._forgotten = exported, failed, forgotten
+        return True
 
 
 @contextlib.asynccontextmanager
