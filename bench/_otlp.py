@@ -64,10 +64,11 @@ def _cpu(row: dict[str, Any]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """B with export off beside B with export on, per transport (medians when repeated)."""
     medians = [r for r in rows if r.get("workload") == "B" and "otlp" in r and "repeat" not in r]
-    lines = ["B with OpenTelemetry export off and on (medians of the repeats; same run, "
-             "turns taken):",
-             f"{'transport':<10} {'export':<6} {'wf/s':>8} {'steps/s':>8} {'total s':>8} "
-             f"{'cpu s':>30} {'exported':>9} {'dropped':>8}"]
+    title = ("B with OpenTelemetry export off and on (medians of the repeats; same run, turns "
+             "taken; exported and dropped: spans and writes so far when B ended)")
+    header = (f"{'transport':<10} {'export':<6} {'wf/s':>8} {'steps/s':>8} {'total s':>8} "
+              f"{'cpu s':>30} {'exported':>9} {'dropped':>8}")
+    lines = [title, header]
     for r in medians:
         export = r.get("otlp_export") or {}
         lines.append(f"{r.get('transport', ''):<10} {r['otlp']:<6} {r.get('wf_per_s', '?'):>8} "

@@ -50,7 +50,6 @@ from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
-
 import msgpack
 
 from stepd.sansio.errors import Invalid
