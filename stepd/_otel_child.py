@@ -21,7 +21,7 @@ import os
 import sys
 from typing import BinaryIO, TextIO
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 
 def serve(url: str, batch: int, frames: BinaryIO, answers: TextIO) -> None:
@@ -54,7 +54,7 @@ def serve(url: str, batch: int, frames: BinaryIO, answers: TextIO) -> None:
             answers.write(f"{exported} {failed} {builder.forgotten}\n")
             answers.flush()
     finally:
-        exporter.shutdown()
+        exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it untyped
     answers.write(f"{exported} {failed} {builder.forgotten}\n")
     answers.flush()
 

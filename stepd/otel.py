@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 import anyio
 import anyio.to_thread
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from stepd.sansio.errors import Invalid
 from stepd.sansio.trace import RUN_ENDS
@@ -268,7 +268,7 @@ class SpanExport:
     def _send(self, pipe: Any, answers: Any) -> bool:
         """One frame of what is queued, then its answer. False: the child is gone."""
         queue = self._queue
-        writes = []
+        writes: list[Any] = []
         while queue and len(writes) < 4 * WAKE_AT:
             writes.append(_slim(*queue.popleft()))
         frame = msgpack.packb(writes, default=str)
