@@ -80,3 +80,21 @@ def test_a_bad_batch_setting_is_refused_naming_the_variable(
     with pytest.raises(Invalid) as err:
         SpanExport("http://127.0.0.1:4318")
     assert err.value.field == "OTEL_BSP_SCHEDULE_DELAY"
+
+
+def test_the_standard_exporter_variables_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers and compression from ``OTEL_EXPORTER_OTLP_*`` reach the collector."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=stepd-tests")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "orchestrator")
+    with otlp_sink() as sink:
+        export = SpanExport(sink.url)
+        export.start()
+        export.committed(finished_run(7))
+        export.close()
+        [span] = sink.snapshot()
+        [headers] = sink.headers
+    assert headers["x-tenant"] == "stepd-tests"
+    assert headers["content-encoding"] == "gzip"
+    assert span.resource["service.name"] == "orchestrator"
+    assert span.attributes["stepd.run_id"] == "r_7"
