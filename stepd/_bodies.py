@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from stepd import _otel_context
 from stepd._errors import Invalid
 from stepd.actors import Waiter
 from stepd.context import StepContext, _current_ctx
@@ -131,7 +132,10 @@ class Runner:
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:
     token = _current_ctx.set(ctx)
+    otel = None if ctx._otel is None else _otel_context.attach(ctx._otel)
     try:
         return fn(*args)
     finally:
+        if otel is not None:
+            _otel_context.detach(otel)
         _current_ctx.reset(token)

@@ -42,6 +42,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
+from stepd import _otel_context
 from stepd._bodies import Active, Body, Definition, Runner, call_in_thread
 from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
@@ -397,12 +398,17 @@ class LeaseProtocol(LeaseCalls):
             args = (ctx, lease.get("input"))
         else:
             args = (ctx, lease.get("input"), lease.get("steps") or {})
+        # The daemon's trace, continued here when the application uses OpenTelemetry.
+        ctx._otel = _otel_context.parent_for(lease.get("trace_id"), lease.get("span_id"))
         try:
             if body.is_async:
                 token = _current_ctx.set(ctx)
+                otel = None if ctx._otel is None else _otel_context.attach(ctx._otel)
                 try:
                     return ("ok", await body.fn(*args))
                 finally:
+                    if otel is not None:
+                        _otel_context.detach(otel)
                     _current_ctx.reset(token)
             value = await anyio.to_thread.run_sync(
                 call_in_thread, body.fn, args, ctx, limiter=self._threads,

@@ -54,6 +54,7 @@ import uvicorn
 
 from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.gc_policy import tune_gc
+from stepd.otel import open_export
 from stepd.sansio.errors import Invalid
 from stepd.sansio.pricing import PriceBook
 from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH
@@ -100,6 +101,8 @@ class ServeConfig:
         max_child_depth: how deep child runs may nest (`start_workflows`).
         worker_expiry_ms: forget a worker with no connection, claim or live
             lease for this long (0: never).
+        otlp_endpoint: export runs, step attempts and body spans over OTLP/HTTP
+            to this collector (docs/otel.md; needs ``stepd[otel]``), or None.
         unsafe_no_sync: commit without fsync. Loses acknowledged work on a
             power cut; it exists so the power-loss test has a control that can
             fail (tests/campaign), never for production.
@@ -132,6 +135,7 @@ class ServeConfig:
     unsafe_no_sync: bool = False
     max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
     worker_expiry_ms: int = 600_000
+    otlp_endpoint: str | None = None
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -275,7 +279,8 @@ class Server:
         Path(config.data).mkdir(parents=True, exist_ok=True)
         noise = _HandshakeNoise()
         logging.getLogger("uvicorn.error").addFilter(noise)
-        async with Daemon.open(config.data, config=daemon_config) as daemon:
+        async with (open_export(config.otlp_endpoint) as trace,
+                    Daemon.open(config.data, config=daemon_config, trace=trace) as daemon):
             self.daemon = daemon
             protocol = Protocol(daemon, keyring=keyring,
                                 max_body_bytes=config.max_body_bytes)

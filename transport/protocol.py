@@ -57,7 +57,7 @@ from ._validate import (
     parse_kill,
 )
 from .auth import Forbidden, KeyRing, Principal, Unauthorized, is_loopback_host
-from .metrics import DaemonMetrics, Registry, daemon_metrics
+from .metrics import DaemonMetrics, Registry, daemon_metrics, trace_export_metrics
 from .operations import (
     LONG_POLLS,
     SPECS,
@@ -145,6 +145,9 @@ class Protocol:
         self._connections: set[Any] = set()  # WorkerConnection: close_for_shutdown(), abort()
         self._batches_seen: tuple[int, ...] = ()  # storage batch-size buckets already observed
         self.metrics.runs_by_status.set_function(lambda: self._runs_by_status)
+        trace = daemon.services.trace
+        if trace is not None:
+            trace_export_metrics(self.registry, trace.statistics)
         self._runs_by_status: dict[str, int] = {}
 
     # ------------------------------------------------------------------ auth

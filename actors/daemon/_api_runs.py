@@ -106,6 +106,8 @@ class RunOps(ApiBase):
             existing: str | None = await self.storage.write(store.apply_txn, w)
             if existing is not None:
                 return existing, False
+            if s.trace is not None:
+                s.trace.committed(w)  # a run can end in its first transaction
             await self._activate_created(run_id, w, machine, tr)
         finally:
             s.creating.pop(run_id, None)

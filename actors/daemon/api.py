@@ -41,7 +41,7 @@ from .messages import (
     RegistryStats,
 )
 from .registry import Stats
-from .services import DaemonConfig, Services
+from .services import DaemonConfig, Services, TraceSink
 from .tree import build_tree
 from .workers import PROTOCOL_VERSION
 
@@ -62,8 +62,13 @@ class Daemon(WorkerOps, RunOps):
     @classmethod
     @asynccontextmanager
     async def open(cls, path: str, *, config: DaemonConfig | None = None,
-                   clock: Clock | None = None) -> AsyncIterator[Daemon]:
+                   clock: Clock | None = None,
+                   trace: TraceSink | None = None) -> AsyncIterator[Daemon]:
         """Open the data directory and start the actor tree; stop both on exit.
+
+        Args:
+            trace: where committed run writes go to be exported as spans
+                (`stepd.otel.SpanExport`); None: no export, no work per step.
 
         Raises:
             Invalid: a config value is out of range.
@@ -79,7 +84,7 @@ class Daemon(WorkerOps, RunOps):
             catalog = Catalog()
             storage.read(catalog.load_txn)
             await _index_old_runs(storage)
-            services = Services(storage, catalog, config, clock)
+            services = Services(storage, catalog, config, clock, trace=trace)
             # The tree's children reach `services.system` only once they run.
             system = services.system = ActorSystem(
                 clock=clock, root=build_tree(services, lambda: _load_workers(storage)))

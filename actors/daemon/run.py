@@ -328,8 +328,7 @@ class RunActor(Actor):
         # crash the slot is still queued on record and is offered again, and the
         # worker's calls on this lease get 404. Every later write of this run is
         # ordered after it, so `started`/`complete` find the lease on record.
-        e.storage.write_deferred(store.apply_txn,
-                                 store.deferred(self._write(tr, leases=[record.to_dict()])))
+        self._write_behind(self._write(tr, leases=[record.to_dict()]))
         peers.start_lease(e, record)
         lease["lease_ttl_ms"] = e.config.lease_ttl_ms
         e.stats.leases_offered += 1
@@ -357,8 +356,7 @@ class RunActor(Actor):
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
-            self.s.storage.write_deferred(
-                store.apply_txn, store.deferred(self._write(tr, leases=[msg.lease])))
+            self._write_behind(self._write(tr, leases=[msg.lease]))
             self._arm()
             return
         try:
@@ -494,7 +492,20 @@ class RunActor(Actor):
             return
         w = self._write(tr, **extra)
         await self.s.storage.write(store.apply_txn, w)
+        if self.s.trace is not None:
+            self.s.trace.committed(w)  # after the commit: export describes what is on record
         self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
+
+    def _write_behind(self, w: store.RunWrite) -> None:
+        """Queue a write nobody awaits (an offer, an at_least_once `started`).
+
+        The trace sink hears of it now: it only notes the attempt's start, and
+        exports nothing until a later write of this run ends the attempt,
+        which is committed after this one (the storage keeps submission order).
+        """
+        self.s.storage.write_deferred(store.apply_txn, store.deferred(w))
+        if self.s.trace is not None:
+            self.s.trace.committed(w)
 
     # ------------------------------------------------------------------ effects
 

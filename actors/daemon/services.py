@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from stepd.actors import ActorSystem, ChildSpec, Clock, Waiter
 from stepd.sansio.errors import Invalid
@@ -31,7 +31,7 @@ from stepd.storage import Storage
 if TYPE_CHECKING:
     from .catalog import Catalog
 
-__all__ = ["DaemonConfig", "DaemonStats", "RunWatch", "Services"]
+__all__ = ["DaemonConfig", "DaemonStats", "RunWatch", "Services", "TraceSink"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +128,21 @@ class RunWatch:
             w.set()
 
 
+class TraceSink(Protocol):
+    """Where run writes go to be exported as spans (`stepd.otel`); None when export is off.
+
+    `committed` is called on the event loop with each `store.RunWrite` once it
+    is committed (or, for a write nobody awaits, once it is queued: see
+    `RunActor._write_behind`). It must return at once: it hands the write to
+    a queue of its own and never blocks or raises (docs/otel.md).
+    """
+
+    def committed(self, write: Any) -> None: ...
+
+    def statistics(self) -> Any:
+        """A frozen record of counts (``/metrics``: ``stepd_otel_export``)."""
+
+
 def _unset(*args: Any) -> NoReturn:
     raise RuntimeError("the daemon's tree is not built yet")
 
@@ -144,6 +159,8 @@ class Services:
     system: ActorSystem = None  # type: ignore[assignment]
     stats: DaemonStats = field(default_factory=DaemonStats)
     watch: RunWatch = field(default_factory=RunWatch)
+    #: The span exporter's hand-off (`TraceSink`), or None: export off, no work per step.
+    trace: TraceSink | None = None
     #: False once the daemon began shutting down: no new leases are handed out.
     serving: bool = True
     #: Runs being created (`Daemon.start_run`, between its write and its actor's

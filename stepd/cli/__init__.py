@@ -163,6 +163,10 @@ def main() -> None:
               "(budget_exceeded, max_child_depth)")
 @_option("worker-expiry-ms", type=click.IntRange(min=0), default=600_000, show_default=True,
          help="forget a worker with no connection, claim or live lease for this long (0: never)")
+@_option("otlp-endpoint", metavar="URL", default=None,
+         help="export runs, step attempts and body spans over OTLP/HTTP to this collector "
+              "(http://host:4318; OTEL_EXPORTER_OTLP_* variables apply; needs "
+              "pip install 'stepd[otel]')")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:
