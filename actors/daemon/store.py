@@ -50,6 +50,7 @@ from .tables import (  # re-exported: callers name them store.RUNS, ...
     RUN_CRASHES,
     RUN_SUMMARIES,
     RUNS,
+    SCHEDULES,
     TIMERS,
     WORKERS,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "RUNS",
     "RUN_CRASHES",
     "RUN_SUMMARIES",
+    "SCHEDULES",
     "TIMERS",
     "TIMER_TAG",
     "WORKERS",
