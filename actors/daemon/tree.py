@@ -9,6 +9,7 @@
     +-- schedules   one_for_one: one actor per schedule            /schedules/<schedule_id>
     +-- recovery    on (re)start: activates runs with work in flight, resubscribes sessions,
                     starts every schedule's actor
+    +-- retention   deletes finished runs past --retention, a slice per message
 
 `rest_for_one`: a restart of one child restarts every child after it, ending
 with recovery, which rebuilds the live actors from storage. Sessions come
@@ -37,6 +38,7 @@ from .lease import LeaseActor, LeaseMemo
 from .recovery import RecoveryActor
 from .registry import RegistryActor, WorkerInfo
 from .run import RunActor
+from .retention import RetentionActor
 from .schedule import ScheduleActor
 from .services import Services
 from .session import SessionActor, SessionMemo
@@ -102,6 +104,7 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
             ChildSpec("timers", lambda: TimerActor(s)),
             ChildSpec("schedules", dynamic),
             ChildSpec("recovery", lambda: RecoveryActor(s)),
+            ChildSpec("retention", lambda: RetentionActor(s)),
         ],
         strategy=Strategy.REST_FOR_ONE,
         # More than 10 rebuilds of the tree in a minute and it will not get

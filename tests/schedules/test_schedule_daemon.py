@@ -44,7 +44,7 @@ async def finish_all(engine: Daemon, worker_id: str) -> int:
     """Complete every step on offer (bounded); returns how many."""
     done = 0
     for _ in range(20):
-        leases = await engine.claim(worker_id, max=16, wait_ms=20)
+        leases = await engine.claim(worker_id, max=16, wait_ms=0)  # the virtual clock stands still
         if not leases:
             break
         for lease in leases:
