@@ -129,18 +129,18 @@ def delete_run_txn(txn: WriteTxn, run_id: str, status: str, key_before_ms: int) 
         if isinstance(lease_id, str):
             txn.delete(LEASES, lease_id)
         txn.delete(JOURNAL, key)
-    for key in [k for k, _ in txn.scan_raw(INBOX, prefix=run_id.encode() + b"\x00")]:
-        txn.delete(INBOX, key)
+    for inbox_key in [k for k, _ in txn.scan_raw(INBOX, prefix=run_id.encode() + b"\x00")]:
+        txn.delete(INBOX, inbox_key)
     listing.unindex_txn(txn, record, status)
     txn.delete(RUNS, run_id)
     txn.delete(IDX_ACTIVE, run_id)
     txn.delete(RUN_CRASHES, run_id)
-    key = record.get("idempotency_key")
-    if isinstance(key, str):
-        taken = txn.get(DISPATCH_KEYS, key)
+    idem = record.get("idempotency_key")
+    if isinstance(idem, str):
+        taken = txn.get(DISPATCH_KEYS, idem)
         if (isinstance(taken, dict) and taken.get("run_id") == run_id
                 and int(taken.get("at") or 0) < key_before_ms):
-            txn.delete(DISPATCH_KEYS, key)
+            txn.delete(DISPATCH_KEYS, idem)
 
 
 def prune_keys_txn(txn: WriteTxn, key_before_ms: int, after: bytes | None,

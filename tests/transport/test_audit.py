@@ -92,6 +92,8 @@ def test_actions_are_the_specified_twelve_and_the_consoles_two() -> None:
         "runs.read", "runs.list", "runs.journal", "runs.export", "runs.result", "runs.start",
         "runs.signal", "runs.cancel", "actors.read", "actors.kill", "audit.read", "workers.read",
         "definitions.read", "stats.read",  # GET /v1/api/definitions, /v1/api/stats (docs/console.md)
+        "schedules.create", "schedules.list", "schedules.read", "schedules.pause",
+        "schedules.resume", "schedules.delete", "runs.prune",  # docs/schedules.md, docs/storage.md
     }  # fmt: skip
 
 
