@@ -5,11 +5,11 @@ and the slices."""
 from __future__ import annotations
 
 from pathlib import Path
+
 import anyio
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Daemon
-from stepd.actors.daemon import retention, tables
+from stepd.actors.daemon import Daemon, retention, tables
 from stepd.actors.daemon.services import DaemonConfig
 from stepd.sansio.lease import Op
 from stepd.storage import journal_prefix
