@@ -103,7 +103,7 @@ class ScheduleSpec:
             raise Invalid("must be an IANA time zone name such as Europe/Paris", field="timezone")
         try:
             ZoneInfo(zone)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
             raise Invalid(f"unknown time zone {zone!r}", field="timezone") from exc
         workflow = body.get("workflow")
         if not isinstance(workflow, str) or not workflow or len(workflow) > 200:
@@ -112,7 +112,7 @@ class ScheduleSpec:
         if version is not None and (not isinstance(version, str) or not version):
             raise Invalid("must be a non-empty string", field="version")
         overlap = body.get("overlap", "skip")
-        if overlap not in _OVERLAPS:
+        if not isinstance(overlap, str) or overlap not in _OVERLAPS:
             raise Invalid("must be one of skip, buffer_one, allow", field="overlap")
         window = body.get("catchup_window_ms", 0)
         catchup = parse_duration(window, field="catchup_window_ms", allow_zero=True)
