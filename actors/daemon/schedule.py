@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from stepd.actors import Actor
-from stepd.sansio.errors import Unavailable, Unprocessable
+from stepd.sansio.errors import StepdError, Unavailable
 from stepd.sansio.schedule import Cursor, ScheduleSpec, deadline, fire_key, next_start
 
 from . import peers, starting
@@ -122,9 +122,10 @@ class ScheduleActor(Actor):
                 cur = cur.started_fire(fire, run_id)
             except Unavailable:
                 return  # shutting down: the fire stays due; the next start catches it up
-            except Unprocessable as exc:
-                # The workflow is no longer registered (a new data directory's catalog):
-                # the fire is counted as skipped and said why; the schedule keeps going.
+            except StepdError as exc:
+                # The start was refused (its workflow is no longer registered, its input
+                # breaks a budget): the fire is counted as skipped and says why, and the
+                # schedule keeps going, rather than crash-looping its actor on every fire.
                 error = str(exc)
                 cur = dataclasses.replace(cur, skipped=cur.skipped + 1)
                 log.warning("schedule %s: fire %d not started: %s", self.schedule_id, fire, exc)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from .conftest import Cli
+from .conftest import Cli, stepd_process
 
 
 def test_schedule_create_list_pause_resume_delete(cli: Cli) -> None:
@@ -45,3 +46,10 @@ def test_runs_prune(cli: Cli) -> None:
     assert r.stdout == "pruned 0 runs\n"
     bad = cli("run", "prune", "--before", "last tuesday")
     assert bad.exit_code == 2 and "--before" in bad.stderr
+
+
+def test_serve_refuses_a_retention_that_is_not_a_duration(tmp_path: Path) -> None:
+    r = stepd_process("serve", "--data", str(tmp_path / "d"), "--port", "0",
+                      "--retention", "a month")
+    assert r.returncode == 2, r.stderr
+    assert "retention" in r.stderr and "duration" in r.stderr
