@@ -66,7 +66,7 @@ class ScheduleOps(ApiBase):
     def list_schedules(self, *, limit: int = 100,
                        after: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
         """A page of schedules, oldest first, and the next page's cursor (the last id)."""
-        start = None if after is None else after.encode() + b"\x00"
+        start = None if after is None else after.encode("utf-8", "surrogatepass") + b"\x00"
         rows = self.storage.scan(SCHEDULES, start=start, limit=limit + 1)
         page = [view(raw) for _, raw in rows[:limit] if isinstance(raw, dict)]
         more = len(rows) > limit
