@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import anyio
@@ -23,8 +22,6 @@ from .messages import (
 __all__ = ["RunOps"]
 
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
-
-log = logging.getLogger("stepd.daemon")
 
 
 class RunOps(ApiBase):
