@@ -51,6 +51,7 @@ from stepd._client_common import (
 )
 from stepd._listing import AsyncRunList, RunList, check_size, list_query
 from stepd._runs import TERMINAL, RunStatus
+from stepd._schedules import ScheduleCalls
 from stepd.async_client import AsyncClient, AsyncRunHandle
 from stepd.channels.http import SyncHttp, base_url
 from stepd.channels.inprocess import SyncEmbedded
@@ -118,7 +119,7 @@ class RunHandle(Handle):
 # --------------------------------------------------------------------------- the client
 
 
-class Client:
+class Client(ScheduleCalls):
     """A blocking client of a stepd daemon.
 
     Args:

@@ -152,6 +152,7 @@ def copy_json(value: Any) -> Any:
 
 RUN_ID: Final = re.compile(r"r_[0-9A-Za-z][0-9A-Za-z._@-]*")
 LEASE_ID: Final = re.compile(r"l_[0-9A-Za-z]+")
+SCHEDULE_ID: Final = re.compile(r"s_[0-9A-Za-z]+")
 WORKER_ID: Final = re.compile(r"w_[0-9A-Za-z]+")
 PROTOCOL_VERSION: Final = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 HEX16: Final = re.compile(r"[0-9a-f]{16}")
@@ -168,6 +169,11 @@ _MISSING: Final = object()
 
 def is_run_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 3 <= len(value) <= 512 and RUN_ID.fullmatch(value) is not None
+
+
+def is_schedule_id(value: object) -> TypeGuard[str]:
+    return (isinstance(value, str) and 3 <= len(value) <= 64
+            and SCHEDULE_ID.fullmatch(value) is not None)
 
 
 def is_lease_id(value: object) -> TypeGuard[str]:
@@ -525,6 +531,23 @@ def parse_kill(body: Any) -> str:
 
 
 _QUERY_INT_MAX: Final = 10**18 - 1  # what `_DIGITS` reads: 18 digits at most
+
+
+def parse_prune(body: Any) -> dict[str, Any]:
+    """``PruneRequest`` -> ``before``, ``idempotency_keys_before`` (epoch ms) and ``limit``."""
+    b = _body(body)
+    _closed(b, frozenset({"before", "idempotency_keys_before", "limit"}), "")
+    if b.get("before") is None:
+        raise Invalid("is required: epoch milliseconds or an ISO-8601 timestamp", field="before")
+    before = query_time(b, "before")
+    keys = query_time(b, "idempotency_keys_before")
+    limit = query_int(b, "limit", 10_000, minimum=1, maximum=100_000)
+    return {"before": before, "idempotency_keys_before": keys, "limit": limit}
+
+
+def parse_schedule_action(body: Any) -> None:
+    """``ScheduleActionRequest`` (pause, resume): ``{}`` or no body."""
+    _closed(_body_or_empty(body), frozenset(), "")
 
 
 def query_int(query: Mapping[str, Any], key: str, default: int, *, minimum: int,

@@ -3,34 +3,34 @@ cancel, retry (see `api`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import anyio
 
-from stepd.actors import (
-    ActorDead,
-)
-from stepd.sansio.errors import Invalid, NotFound, Unavailable, Unprocessable
-from stepd.sansio.events import StartChildren
+from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.sansio.record import RunRecord
 from stepd.sansio.run import RunMachine
 
 from . import audit as _audit
-from . import ids, listing, peers, store
+from . import ids, listing, peers, starting, store
 from ._api_base import ApiBase
 from .messages import (
     CancelRun,
     RetryRun,
     Signal,
 )
-from .run import child_writes, walk_writes
 
 __all__ = ["RunOps"]
 
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
-log = logging.getLogger("stepd.daemon")
+
+def _check_key(idempotency_key: str | None) -> None:
+    if idempotency_key is not None and (
+        not isinstance(idempotency_key, str) or not idempotency_key
+        or len(idempotency_key.encode()) > 400
+    ):
+        raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
 
 
 class RunOps(ApiBase):
@@ -67,80 +67,11 @@ class RunOps(ApiBase):
             raise Invalid("must be a non-empty string", field="workflow")
         if version is not None and not isinstance(version, str):
             raise Invalid("must be a string", field="version")
-        entry, known = await self._before_create(idempotency_key, audit)
-        if known is not None:
-            return known, False
-        definition = self.catalog.resolve(workflow, version)
-        if definition is None:
-            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-            raise Unprocessable(f"{what} is not registered")
-        now = self.clock.time_ms()
-        run_id = ids.run_id(now)
-        machine, tr = RunMachine.start(
-            run_id=run_id, definition=definition, input=input, now_ms=now,
-            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
-            resolve=self.catalog.resolve, max_depth=self.config.max_child_depth,
-        )
-        return await self._create(machine, tr, now, idempotency_key, entry)
-
-    async def _create(self, machine: RunMachine, tr: Any, now: int, idempotency_key: str | None,
-                      entry: tuple[_audit.AuditEntry, int] | None) -> tuple[str, bool]:
-        """Write a new run (a start's or a fork's) in one transaction, then start its actor.
-
-        Returns:
-            (run id, created): the run an idempotency key already named, and
-            False, when the key was taken meanwhile.
-        """
-        s = self.services
-        run_id = machine.record.run_id
-        w = store.RunWrite(
-            run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
-            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
-            dispatch_key=idempotency_key,
-            children=[cw for e in tr.effects if isinstance(e, StartChildren)
-                      for cw in child_writes(s, e, now)],
-            audit=entry,
-        )
-        s.creating[run_id] = 0
-        try:
-            existing: str | None = await self.storage.write(store.apply_txn, w)
-            if existing is not None:
-                return existing, False
-            if s.trace is not None:
-                s.trace.committed(w)  # a run can end in its first transaction
-            await self._activate_created(run_id, w, machine, tr)
-        finally:
-            s.creating.pop(run_id, None)
-        return run_id, True
-
-    async def _before_create(
-        self, idempotency_key: str | None, audit: _audit.AuditEntry | None,
-    ) -> tuple[tuple[_audit.AuditEntry, int] | None, str | None]:
-        """What a start and a fork check first: the key, the daemon serving, the key's run.
-
-        Returns:
-            (the audit entry with its sequence number, the run the key named
-            already: its audit entry is then written, status 200).
-
-        Raises:
-            Invalid: a malformed idempotency key. Unavailable: shutting down.
-        """
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not idempotency_key
-            or len(idempotency_key.encode()) > 400
-        ):
-            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
-        if not self.services.serving:
-            raise Unavailable("the daemon is shutting down")
+        _check_key(idempotency_key)
         entry = None if audit is None else (audit, self.audit.next_seq())
-        if idempotency_key is not None:
-            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
-            if isinstance(taken, dict):
-                known = str(taken["run_id"])
-                if entry is not None:
-                    await self.storage.write(store.audit_only_txn, entry, known, 200)
-                return entry, known
-        return entry, None
+        return await starting.start_run(
+            self.services, workflow, input, version=version, correlation=correlation,
+            idempotency_key=idempotency_key, deadline_ms=deadline_ms, entry=entry)
 
     async def fork(self, run_id: str, from_step: str, *, idempotency_key: str | None = None,
                    audit: _audit.AuditEntry | None = None) -> tuple[str, bool]:
@@ -165,7 +96,9 @@ class RunOps(ApiBase):
             raise NotFound(f"run {run_id!r} not found")
         raw, journal = found
         source = self._machine(raw)
-        entry, known = await self._before_create(idempotency_key, audit)
+        _check_key(idempotency_key)
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        known = await starting.known_run(self.services, idempotency_key, entry)
         if known is not None:
             return known, False
         now = self.clock.time_ms()
@@ -175,7 +108,7 @@ class RunOps(ApiBase):
             idempotency_key=idempotency_key, resolve=self.catalog.resolve,
             max_depth=self.config.max_child_depth,
         )
-        return await self._create(machine, tr, now, idempotency_key, entry)
+        return await starting.create(self.services, machine, tr, now, idempotency_key, entry)
 
     async def retry(self, run_id: str, *, audit: _audit.AuditEntry | None = None) -> dict[str, Any]:
         """Resume a failed run at its failed step with a fresh retry budget (`Retry`).
@@ -198,33 +131,6 @@ class RunOps(ApiBase):
         answer = await peers.ask_run(self.services, run_id, RetryRun(entry))
         return {"run_id": run_id, **answer}
 
-    async def _activate_created(self, run_id: str, w: store.RunWrite, machine: RunMachine,
-                                tr: Any) -> None:
-        """Count a committed run in, start its actor, wake the children it created."""
-        s = self.services
-        s.stats.runs_started += 1
-        for created in walk_writes([w]):
-            s.stats.status_moved(None, created.record["status"])
-        if w.due_new is not None:
-            await peers.timers_changed(s, w.due_new)
-        # The machine we hold is the run's only if no incarnation loaded it from
-        # storage since the write (`Services.creating`); else the record decides.
-        initial = (machine, tr) if s.creating.get(run_id) == 0 else None
-        try:
-            try:
-                await peers.activate_run(s, run_id, initial)
-            except ActorDead:
-                # Committed, but a supervisor it needs is restarting: start it from
-                # the record instead once that is back.
-                await peers.wake_run(s, run_id, None)
-            for child in walk_writes(w.children):
-                await peers.wake_run(s, child.run_id, None)
-        except Unavailable:
-            # The run is committed: answering 503 now would tell the client it may
-            # not exist. Its actor comes up with recovery, which runs after every
-            # restart of /runs (rest_for_one) and activates every active run.
-            log.info("run %s is committed; its actor starts with recovery (/runs is "
-                     "restarting)", run_id)
 
     def _record(self, run_id: str) -> dict[str, Any]:
         raw = self.storage.read(store.load_run_txn, run_id)

@@ -34,7 +34,9 @@ from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.storage import Storage
 
 from . import listing, peers, store
+from ._api_retention import RetentionOps
 from ._api_runs import RunOps
+from ._api_schedules import ScheduleOps
 from ._api_workers import Connection, WorkerOps, _load_workers
 from .catalog import Catalog
 from .messages import (
@@ -54,7 +56,7 @@ _CLAIMS = itertools.count(1)
 _CONNECTIONS = itertools.count(1)
 
 
-class Daemon(WorkerOps, RunOps):
+class Daemon(WorkerOps, RunOps, ScheduleOps, RetentionOps):
     """The daemon: storage, catalog, the actor tree, and the operations. Open with `Daemon.open`."""
 
     # ------------------------------------------------------------------ lifecycle

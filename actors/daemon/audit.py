@@ -77,6 +77,13 @@ class AuditAction(IdentityEnum):
     WORKERS_READ = "workers.read"
     DEFINITIONS_READ = "definitions.read"
     STATS_READ = "stats.read"
+    SCHEDULES_CREATE = "schedules.create"
+    SCHEDULES_LIST = "schedules.list"
+    SCHEDULES_READ = "schedules.read"
+    SCHEDULES_PAUSE = "schedules.pause"
+    SCHEDULES_RESUME = "schedules.resume"
+    SCHEDULES_DELETE = "schedules.delete"
+    RUNS_PRUNE = "runs.prune"
 
 
 _ACTIONS: Final = frozenset(a.value for a in AuditAction)

@@ -50,6 +50,10 @@ class DaemonConfig:
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
     prices: PriceBook = PriceBook()
+    #: Finished runs are deleted this long after they ended (0: kept forever; docs/storage.md
+    #: "Retention"); their idempotency keys after `idempotency_retention_ms` (0: the same).
+    retention_ms: int = 0
+    idempotency_retention_ms: int = 0
 
     @property
     def claim_hold_ms(self) -> int:
@@ -70,6 +74,10 @@ class DaemonConfig:
         if isinstance(expiry, bool) or not isinstance(expiry, int) or expiry < 0:
             raise Invalid("must be an integer >= 0 (milliseconds; 0: never)",
                           field="worker_expiry_ms")
+        for name in ("retention_ms", "idempotency_retention_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise Invalid("must be an integer >= 0 (milliseconds; 0: off)", field=name)
         depth = self.max_child_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 64:
             raise Invalid("must be an integer from 0 to 64", field="max_child_depth")
@@ -82,6 +90,8 @@ class DaemonStats:
     runs_started: int = 0
     runs_ended: int = 0
     leases_offered: int = 0
+    #: Finished runs deleted by retention or `prune_runs`.
+    runs_pruned: int = 0
     #: Runs by status, kept current by every transition.
     status_counts: dict[str, int] = field(default_factory=dict)
     run_to_complete: list[float] = field(default_factory=list)
@@ -184,3 +194,5 @@ class Services:
     run_spec: Callable[[str, Any, bool], ChildSpec] = _unset
     lease_spec: Callable[[Any, bool], ChildSpec] = _unset
     session_spec: Callable[[str], ChildSpec] = _unset
+    #: The child spec of a schedule actor (schedule id), set with the others.
+    schedule_spec: Callable[[str], ChildSpec] = _unset

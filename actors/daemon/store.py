@@ -52,6 +52,7 @@ from .tables import (  # re-exported: callers name them store.RUNS, ...
     RUN_FORKS,
     RUN_SUMMARIES,
     RUNS,
+    SCHEDULES,
     TIMERS,
     WORKERS,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "RUN_CRASHES",
     "RUN_FORKS",
     "RUN_SUMMARIES",
+    "SCHEDULES",
     "TIMERS",
     "TIMER_TAG",
     "WORKERS",

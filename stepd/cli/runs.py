@@ -138,7 +138,7 @@ def status(run_id: str, as_json: bool, url: str, key: str | None) -> None:
     console().print(status_view(view))
 
 
-def _when_ms(text: str | None, flag: str) -> int | None:
+def when_ms(text: str | None, flag: str) -> int | None:
     """``--since``/``--until``: epoch ms, an ISO-8601 time, or a duration ago (``2h``).
 
     Sent to the daemon as epoch ms, so what the CLI accepts does not depend on
@@ -233,7 +233,7 @@ def list_(workflow: str | None, status: str | None, since: str | None, until: st
 
     filters: dict[str, Any] = {
         "workflow": workflow, "status": status,
-        "created_after": _when_ms(since, "--since"), "created_before": _when_ms(until, "--until"),
+        "created_after": when_ms(since, "--since"), "created_before": when_ms(until, "--until"),
         "correlation": _correlation_filter(correlation), "idempotency_key": idempotency_key,
         "order": order, "cursor": cursor,
     }

@@ -66,6 +66,13 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("post", "/v1/api/actors/kill"): "admin",
     ("get", "/v1/api/definitions"): "read",
     ("get", "/v1/api/stats"): "read",
+    ("post", "/v1/api/schedules"): "execute",
+    ("get", "/v1/api/schedules"): "read",
+    ("get", "/v1/api/schedules/{schedule}"): "read",
+    ("delete", "/v1/api/schedules/{schedule}"): "execute",
+    ("post", "/v1/api/schedules/{schedule}/pause"): "execute",
+    ("post", "/v1/api/schedules/{schedule}/resume"): "execute",
+    ("post", "/v1/api/runs/prune"): "admin",
     ("get", "/healthz"): None,
     ("get", "/metrics"): None,
 }
