@@ -1,10 +1,10 @@
 """Sticky execution in the worker (mixed into `stepd.Worker`; AFFINITY.md "Sticky execution",
 docs/affinity.md).
 
-Off unless the worker is built with ``sticky_cache_capacity > 0``. Then it
-registers with protocol 1.20, the flat capability ``sticky`` and a manifest
-that marks sticky supported (local steps and sessions rejected: this worker
-does not run them) and states its cache settings. A lease with a ``sticky``
+Off unless the worker is built with ``sticky_cache_capacity > 0``. Then its
+register (`stepd._manifest.capability_declaration`) adds the flat capability
+``sticky`` and marks it supported in the manifest, stating the cache settings
+(`_sticky_manifest`); that needs protocol 1.18 or later. A lease with a ``sticky``
 part gets its history from the cache (`stepd.sansio.sticky_cache`) before the
 body runs; a delta the cache cannot serve is replaced by the full history
 fetched for that lease (``history``, fenced to it), counted as a forced cold
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepd.worker")
 
-STICKY_PROTOCOL_VERSION: Final = "1.20"
 DEFAULT_CACHE_BYTES: Final = 64 << 20
 DEFAULT_CACHE_TTL_S: Final = 600.0
 
@@ -68,19 +67,16 @@ class StickyHistory:
             self.sticky_cache = StickyCache(capacity, max_bytes, max(1, int(ttl * 1000)),
                                             self.build_id)
 
-    def _sticky_register(self, body: dict[str, Any]) -> None:
-        """Declare sticky execution in a register body (nothing when it is off)."""
+    def _sticky_manifest(self) -> dict[str, Any] | None:
+        """The cache settings the manifest's ``sticky`` entry states (None when it is off)."""
         cache = self.sticky_cache
         if cache is None:
-            return
-        sticky: dict[str, Any] = {"status": "supported", "capacity": cache.capacity,
-                                  "max_bytes": cache.max_bytes, "ttl_ms": cache.ttl_ms}
+            return None
+        sticky: dict[str, Any] = {"capacity": cache.capacity, "max_bytes": cache.max_bytes,
+                                  "ttl_ms": cache.ttl_ms}
         if self._sticky_schedule_ms is not None:
             sticky["schedule_ms"] = self._sticky_schedule_ms
-        body["protocol_version"] = STICKY_PROTOCOL_VERSION
-        body["capabilities"] = ["sticky"]
-        body["manifest"] = {"local_steps": {"status": "rejected"},
-                            "sessions": {"status": "rejected"}, "sticky": sticky}
+        return sticky
 
     async def _sticky_history(self, active: Active) -> None:
         """Fill the lease's ``steps`` and ``state`` from the cache (or a fetch) before the body.
@@ -107,7 +103,9 @@ class StickyHistory:
         """Add the cursor cached for this lease and the counts to a complete body."""
         cache = self.sticky_cache
         if cache is not None:
-            body["sticky"] = {"cursor": active.sticky_cursor, "stats": cache.stats.as_dict()}
+            if active.sticky_cursor is not None:
+                body["sticky_cursor"] = active.sticky_cursor
+            body["sticky_stats"] = cache.stats.as_dict()
 
     def _sticky_forget(self, run_id: str) -> None:
         if self.sticky_cache is not None:

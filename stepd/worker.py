@@ -75,6 +75,8 @@ from stepd._connections import Connections
 from stepd._errors import Invalid
 from stepd._heartbeats import Heartbeats
 from stepd._leases import LeaseProtocol
+from stepd._local import LocalSteps
+from stepd._manifest import PROTOCOL_VERSION, check_protocol_version
 from stepd._serving import Serving
 from stepd._sticky import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_TTL_S, StickyHistory
 from stepd.actors import Waiter, current_time
@@ -112,7 +114,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, StickyHistory):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -129,6 +131,13 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
             ``"websocket"`` or ``"http"``. Ignored for an embedded daemon.
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
+        local_steps: run a workflow's ``"local": true`` steps inside this worker,
+            right after the task step before them (AFFINITY.md "Local steps";
+            `stepd._local`). Off by default: local steps then come as ordinary
+            leases. Declared at register in the capability manifest.
+        protocol_version: the protocol version to register with (default: the
+            newest this SDK speaks, 1.20). Below 1.18 the worker declares no
+            capability: ``local_steps`` must be off and a sticky cache empty.
         worker_id: register as this already registered worker (a replacement
             process taking over its identity: its leases, its sticky routing).
         sticky_cache_capacity: runs whose history the sticky cache keeps; 0
@@ -157,6 +166,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
         transport: str = "auto",
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
+        local_steps: bool = False,
+        protocol_version: str = PROTOCOL_VERSION,
         worker_id: str | None = None,
         sticky_cache_capacity: int = 0,
         sticky_cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -190,6 +201,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
             raise Invalid(f"must be a Client, a URL or a stepd.embedded daemon, got {target!r}",
                           field="target")
         self.concurrency = concurrency
+        self.local_steps = bool(local_steps)
         self.name = name if name is not None else _default_name()
         self.build_id = build_id
         self.transport_choice = transport
@@ -201,6 +213,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, StickyHistory):
         self.worker_id: str | None = worker_id
         self._init_sticky(sticky_cache_capacity, sticky_cache_bytes, sticky_cache_ttl,
                           sticky_schedule_ms)
+        self.protocol_version = check_protocol_version(protocol_version, self.local_steps,
+                                                       self.sticky_cache is not None)
         self._defs: dict[tuple[str, str | None], Definition] = {}
 
         # Thread-safe control (stop() from any thread).

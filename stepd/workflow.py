@@ -225,6 +225,8 @@ class Workflow:
         delivery: Delivery | str = Delivery.AT_LEAST_ONCE,
         cost_units: int | None = None,
         next: str | None = None,
+        local: bool = False,
+        total_timeout: Duration | None = None,
     ) -> Workflow:
         """Add a task step: one body on one worker, with retries.
 
@@ -240,6 +242,10 @@ class Workflow:
             cost_units: this step's cost units (>= 0); None takes the body's
                 declared value, else 1.
             next: the step to go to after this one (a step id or ``"$end"``).
+            local: run this step inside the worker that ran the task step before
+                it, with no round trip (AFFINITY.md "Local steps"; only on a
+                worker started with ``local_steps=True``, else an ordinary lease).
+            total_timeout: a local step's limit over all its attempts.
 
         Raises:
             Invalid: a bad argument, a duplicate step id, or another callable
@@ -256,6 +262,9 @@ class Workflow:
             "cost_units": self._cost_units(cost_units, fn),
         }
         self._task_options(raw, retry, timeout, next, index)
+        if local or total_timeout is not None:
+            raw["local"] = local
+            raw["total_timeout_ms"] = self._duration(total_timeout, index, "total_timeout")
         return self._add(raw, body_name, fn)
 
     def for_each(

@@ -33,7 +33,7 @@ from .messages import (
     LeaseCall,
     RegisterWorker,
     ReleaseLease,
-    Reload,
+    Reregistered,
     SessionInfo,
 )
 from .registry import WorkerInfo
@@ -130,6 +130,9 @@ class WorkerOps(ApiBase):
             "protocol_version": negotiated, "concurrency": concurrency,
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
+            # The capability gate (stepd.sansio.capabilities) reads it back at each
+            # completion that carries capability-specific data.
+            "manifest": manifest,
         }
         sticky = settings_of(negotiated, capabilities or [], manifest)
         if sticky is not None:
@@ -146,8 +149,7 @@ class WorkerOps(ApiBase):
         peers.tell(self.services, "/registry", RegisterWorker(worker_id, name, frozenset(keys)))
         try:
             session = await peers.ensure_session(self.services, worker_id)
-            # A session already running read the worker's earlier registration.
-            await session.tell(Reload())
+            await session.tell(Reregistered())  # a session already up rereads it
         except ActorDead:
             pass  # /sessions is restarting: recovery starts a session for every worker
         return {
@@ -156,6 +158,8 @@ class WorkerOps(ApiBase):
             "heartbeat_ms": self.config.heartbeat_ms,
             "protocol_version": negotiated,
             "max_request_ms": self.config.max_request_ms,
+            # complete/fail may carry `"started": true` (docs/leases.md "A folded started").
+            "fold_started": True,
             "definitions": [
                 {"name": d.name, "version": d.version, "definition_hash": d.definition_hash}
                 for d in parsed
@@ -348,6 +352,8 @@ class WorkerOps(ApiBase):
                 "worker_id": wid, "name": raw["name"], "build_id": raw.get("build_id"),
                 "protocol_version": raw.get("protocol_version"),
                 "concurrency": raw.get("concurrency"),
+                "capabilities": raw.get("capabilities") or [],
+                "manifest": raw.get("manifest"),
                 "registered_at": raw.get("registered_at"),
                 "connected": bool(info["connected"]),
                 "last_heartbeat_at": info["last_active"],

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepd.actors import Actor
+from stepd.sansio.capabilities import WorkerCapabilities, check_completion, gated
 from stepd.sansio.errors import (
     AlreadyApplied,
     Conflict,
@@ -39,6 +40,7 @@ from stepd.sansio.events import (
     AttemptRevived,
     AttemptStarted,
 )
+from stepd.sansio.local_steps import parse_records
 from stepd.sansio.lease import (
     LeaseMachine,
     LeaseRecord,
@@ -62,7 +64,7 @@ from .messages import (
     StickyReport,
 )
 from .services import Services
-from .sticky import check_completion
+from .sticky import claim_of, sticky_identity
 
 CONFLICTS: dict[str, type[Conflict]] = {
     "already_applied": AlreadyApplied,
@@ -175,11 +177,16 @@ class LeaseActor(Actor):
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         claim = None
-        report = (call.body or {}).get("sticky") if call.op is Op.COMPLETE else None
-        if report is not None:
-            # The protocol boundary (AFFINITY.md): refused whole before anything applies.
+        if call.op is Op.COMPLETE and call.body and gated(call.body):
+            # Before anything of the completion is applied, the lease not even touched.
             raw = self.s.storage.get(store.WORKERS, rec.worker_id)
-            claim = check_completion(raw, rec.run_id, report["cursor"])
+            worker = WorkerCapabilities.from_record(raw if isinstance(raw, dict)
+                                                    else {"worker_id": rec.worker_id})
+            cursor = call.body.get("sticky_cursor")
+            check_completion(worker, call.body, sticky_identity=None if cursor is None else
+                             sticky_identity(self.s.storage, rec.run_id, worker.build_id))
+            if cursor is not None:
+                claim = claim_of(raw, cursor)
         now = self.s.clock.time_ms()
         self._memo.touched = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
@@ -190,13 +197,22 @@ class LeaseActor(Actor):
             self._arm()
             return {"lease_ttl_ms": m.ttl_ms}
         body = call.body or {}
+        started = None
+        if (body.get("started") is True and not rec.started and rec.delivery == "at_least_once"
+                and (call.op is Op.COMPLETE or call.op is Op.FAIL)):
+            # The worker folded `started` into this call (its body ended inside
+            # the heartbeat gap): apply it first, in the same handler and commit.
+            m.touch(Op.STARTED, now)
+            started = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
         if call.op is Op.STARTED:
             event: Any = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
             final = None
         elif call.op is Op.COMPLETE:
             event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
                                      body.get("state_patch"), body.get("usage"),
-                                     body.get("spans"), claim)
+                                     body.get("spans"),
+                                     parse_records(body["local_steps"])
+                                     if body.get("local_steps") else None, claim)
             final = LeaseStatus.COMPLETED
         else:
             event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],
@@ -218,15 +234,16 @@ class LeaseActor(Actor):
             return {}
         try:
             await peers.ask_run(self.s, rec.run_id,
-                                ApplyAttempt(rec.lease_id, call.op, stored, event))
+                                ApplyAttempt(rec.lease_id, call.op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer
             raise
         if final is not None:
             m.end(final, now)
-            if report is not None and report["stats"] is not None:
-                peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(report["stats"]))
+            stats = body.get("sticky_stats") if call.op is Op.COMPLETE else None
+            if stats is not None:
+                peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(stats))
             self._end(None)
         else:
             self._arm()

@@ -39,6 +39,7 @@ __all__ = [
     "announce",
     "ask_run",
     "end_lease",
+    "ensure_schedule",
     "ensure_session",
     "lease_alive",
     "registry",
@@ -112,6 +113,17 @@ async def ensure_session(s: Services, worker_id: str) -> ActorRef:
     """
     return await _running(s, "/sessions", worker_id, lambda: s.session_spec(worker_id),
                           f"worker {worker_id!r} is not registered")
+
+
+async def ensure_schedule(s: Services, schedule_id: str) -> ActorRef:
+    """The schedule's actor, started from its record if it is not running.
+
+    Raises:
+        NotFound: no such schedule.
+        ActorDead: the schedules supervisor is restarting.
+    """
+    return await _running(s, "/schedules", schedule_id, lambda: s.schedule_spec(schedule_id),
+                          f"schedule {schedule_id!r} not found")
 
 
 def registry(s: Services) -> ActorRef:

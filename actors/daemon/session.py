@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from stepd.actors import Actor
+from stepd.sansio.capabilities import WorkerCapabilities
 from stepd.sansio.errors import Unavailable
 from stepd.sansio.session import (
     Answer,
@@ -52,7 +53,7 @@ from .messages import (
     Grant,
     LeaseEnded,
     ReleaseLease,
-    Reload,
+    Reregistered,
     Resubscribe,
     ResyncAll,
     ReturnSpecs,
@@ -106,17 +107,23 @@ class SessionActor(Actor):
         self.worker_id = worker_id
         self.memo = memo
         self.name = ""
+        self.local_steps = False
         self.sticky: StickyWorker | None = None
         #: The worker's sticky cache counts as its last complete reported them
         #: (cumulative on the worker: nothing to keep across restarts).
         self.sticky_counts: dict[str, int] | None = None
         self.machine: SessionMachine
 
-    async def on_start(self) -> None:
+    def _read_registration(self) -> None:
         raw = self.s.storage.get(store.WORKERS, self.worker_id)
         if not isinstance(raw, dict):
             raise LookupError(f"worker {self.worker_id} is not registered")
-        self._load(raw)
+        self.name = str(raw.get("name") or "")
+        self.local_steps = WorkerCapabilities.from_record(raw).supports("local_steps")
+        self.sticky = worker_of(self.worker_id, raw)
+
+    async def on_start(self) -> None:
+        self._read_registration()
         self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
                                       last_active=self.s.clock.time_ms())
         memo = self.memo
@@ -133,10 +140,6 @@ class SessionActor(Actor):
             # registry ignores those it holds already).
             peers.tell(self.s, "/recovery", ResyncAll())
         self._arm()
-
-    def _load(self, raw: dict[str, Any]) -> None:
-        self.name = str(raw.get("name") or "")
-        self.sticky = worker_of(self.worker_id, raw)
 
     # ------------------------------------------------------------------ messages
 
@@ -176,6 +179,8 @@ class SessionActor(Actor):
             m.touch(now)
         elif isinstance(message, Due):
             await self._perform(m.tick(now))
+        elif isinstance(message, Reregistered):
+            self._read_registration()
         elif isinstance(message, Resubscribe):
             await self._perform(m.resubscribe())
         elif isinstance(message, SessionInfo):
@@ -184,10 +189,6 @@ class SessionActor(Actor):
                     "sticky": self.sticky_counts}
         elif isinstance(message, StickyReport):
             self.sticky_counts = dict(message.counts)
-        elif isinstance(message, Reload):
-            raw = self.s.storage.get(store.WORKERS, self.worker_id)
-            if isinstance(raw, dict):
-                self._load(raw)
         else:
             raise TypeError(f"session: unexpected message {message!r}")
         self._arm()
@@ -238,8 +239,8 @@ class SessionActor(Actor):
         spec = action.spec
         try:
             lease = await peers.ask_run(self.s, spec.run_id,
-                                        OfferMsg(spec, self.worker_id, self.name, self.sticky),
-                                        quiet=True)
+                                        OfferMsg(spec, self.worker_id, self.name,
+                                                 self.local_steps, self.sticky), quiet=True)
         except Unavailable:
             # Its run did not come up (a /runs kill under load): the run
             # re-announces the slot when it is back; this session goes on.

@@ -3,26 +3,25 @@ completion's sticky data (AFFINITY.md "Sticky execution"; docs/affinity.md).
 
 `register` keeps a worker's sticky settings in its `workers` record when the
 negotiated version is at least 1.18, the flat capabilities name ``sticky`` and
-the manifest marks it supported. Before a completion's ``sticky`` part reaches
-the run, `check_completion` holds it against that record: the capability, and
-the exact cache identity (the cursor's run is the lease's, its build id the
-worker's registered one). The run machine then checks the workflow and the
-cursor itself (`stepd.sansio.sticky`). Any mismatch is a 400 naming the field,
-and nothing of the completion is applied.
-
-This is a local check: the shared capability gate of issue 14 (negotiated
-version, flat capability, manifest, for every capability-specific completion
-field) takes its place when it lands; `check_completion` is then its sticky row.
+the manifest marks it supported. A completion's ``sticky_cursor`` and
+``sticky_stats`` pass the shared capability gate (`stepd.sansio.capabilities`:
+negotiated version, flat capability, manifest) before anything of it applies;
+for the cursor the gate also checks the exact cache identity, which
+`sticky_identity` gives it (the lease's run and its workflow, the worker's
+registered build id). The run machine then checks the cursor itself against
+the run's history (`stepd.sansio.sticky`). Any mismatch is a 400 naming the
+field, and nothing of the completion is applied.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from stepd.sansio.errors import Invalid
 from stepd.sansio.sticky import StickyClaim, StickyWorker
 
-__all__ = ["DEFAULT_SCHEDULE_MS", "check_completion", "settings_of", "worker_of"]
+from .tables import RUN_SUMMARIES
+
+__all__ = ["DEFAULT_SCHEDULE_MS", "claim_of", "settings_of", "sticky_identity", "worker_of"]
 
 #: How long a run's next step waits for the worker that ran its previous one
 #: when the worker's manifest does not say (Temporal's sticky schedule-to-start).
@@ -57,25 +56,22 @@ def worker_of(worker_id: str, raw: Any) -> StickyWorker | None:
     return StickyWorker(worker_id, raw.get("build_id"), int(raw["sticky"]["schedule_ms"]))
 
 
-def check_completion(raw_worker: Any, run_id: str, cursor: dict[str, Any] | None
-                     ) -> StickyClaim | None:
-    """A completion's sticky cursor, checked against the worker and the lease.
+def sticky_identity(storage: Any, run_id: str, build_id: str | None) -> dict[str, Any]:
+    """The cache identity a lease of run `run_id` is issued under, for the capability gate
+    (`stepd.sansio.capabilities.check_completion`): the run's workflow, its id, and the
+    build id the worker registered.
 
-    Raises:
-        Invalid: the worker did not negotiate sticky execution (``sticky``), or
-            the cursor names another run or build (``sticky.cursor.*``).
+    The workflow comes from the run's small listing summary, not its record: the
+    record holds the very history sticky execution avoids decoding per step.
     """
-    if not isinstance(raw_worker, dict) or not isinstance(raw_worker.get("sticky"), dict) \
-            or not _at_least_1_18(raw_worker.get("protocol_version")):
-        raise Invalid("this worker did not negotiate sticky execution (protocol 1.18 or "
-                      "later, the sticky capability, the manifest marking it supported)",
-                      field="sticky")
-    if cursor is None:
-        return None
-    if cursor["run_id"] != run_id:
-        raise Invalid("names another run than the lease's", field="sticky.cursor.run_id")
-    if cursor["build_id"] != raw_worker.get("build_id"):
-        raise Invalid("is not the build id this worker registered",
-                      field="sticky.cursor.build_id")
+    summary = storage.get(RUN_SUMMARIES, run_id)
+    workflow = summary.get("workflow") if isinstance(summary, dict) else None
+    return {"workflow": workflow, "run_id": run_id, "build_id": build_id}
+
+
+def claim_of(raw_worker: Any, cursor: dict[str, Any]) -> StickyClaim:
+    """A completion's sticky cursor, which passed the gate, as the run machine's claim."""
+    settings = raw_worker.get("sticky") if isinstance(raw_worker, dict) else None
+    schedule = settings.get("schedule_ms") if isinstance(settings, dict) else None
     return StickyClaim(cursor["seq"], cursor["hash"], cursor["workflow"], cursor["build_id"],
-                       int(raw_worker["sticky"]["schedule_ms"]))
+                       DEFAULT_SCHEDULE_MS if schedule is None else int(schedule))

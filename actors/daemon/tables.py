@@ -33,8 +33,10 @@ IDX_RUNS_STATUS: Final = "idx_runs_status"
 IDX_RUNS_WORKFLOW: Final = "idx_runs_workflow"
 IDX_RUNS_WF_STATUS: Final = "idx_runs_wf_status"
 IDX_RUNS_CORRELATION: Final = "idx_runs_correlation"
+RUN_FORKS: Final = "run_forks"  # source run id + NUL + fork run id -> {"step_id", "at"}
+SCHEDULES: Final = "schedules"  # schedule id -> schedule record (`schedule`: spec and cursor)
 
 EXTRA_TABLES: Final = (
     IDX_ACTIVE, INBOX, RUN_CRASHES, RUN_SUMMARIES, IDX_RUNS_CREATED, IDX_RUNS_STATUS,
-    IDX_RUNS_WORKFLOW, IDX_RUNS_WF_STATUS, IDX_RUNS_CORRELATION,
+    IDX_RUNS_WORKFLOW, IDX_RUNS_WF_STATUS, IDX_RUNS_CORRELATION, RUN_FORKS, SCHEDULES,
 )

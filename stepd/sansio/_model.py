@@ -127,10 +127,17 @@ class TaskStep:
     delivery: Delivery = Delivery.AT_LEAST_ONCE
     cost_units: int = 1
     next: str | None = None
+    local: bool = False
+    total_timeout_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form, every default present."""
-        return {
+        """The wire form, every default present.
+
+        ``local`` and ``total_timeout_ms`` appear only on a local step, so the
+        ``definition_hash`` of every definition without local steps is what it
+        was before they existed (docs/affinity.md).
+        """
+        out = {
             "id": self.id,
             "kind": self.kind.value,
             "body": self.body,
@@ -141,6 +148,10 @@ class TaskStep:
             "cost_units": self.cost_units,
             "_next_step": self.next,
         }
+        if self.local:
+            out["local"] = True
+            out["total_timeout_ms"] = self.total_timeout_ms
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,9 @@ class AttemptOffered:
     lease_id: str
     worker_id: str
     worker_name: str = ""
+    #: The worker declared ``local_steps`` (stepd.sansio.capabilities): its lease
+    #: carries the plan of the local steps that follow (AFFINITY.md "Local steps").
+    local_steps: bool = False
     #: The worker declared sticky execution (None: the lease is as it always was).
     sticky: StickyWorker | None = None
 
@@ -47,6 +50,9 @@ class AttemptCompleted:
     state_patch: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None  # {"input_tokens", "output_tokens", "cost_usd"} priced
     spans: tuple[Any, ...] | list[Any] | None = None  # journaled with the completion
+    #: `stepd.sansio.local_steps.LocalRecord` values: local steps run in the worker,
+    #: journaled in the same transition as this completion.
+    local_steps: tuple[Any, ...] | None = None
     #: The history cursor the worker cached (its identity checked at the protocol
     #: boundary); None: it cached nothing.
     sticky: StickyClaim | None = None
@@ -131,7 +137,16 @@ class ChildFinished:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    message: str = "cancelled"
+    message: str = "cancelled"  # the run's error message: the canceller's reason, if given
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Resume a failed run at the step it failed on, with a fresh retry budget.
+
+    The operator's decision (the retry API), so the step is entered again as
+    a new visit whatever its delivery: budgets and the deadline still apply.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +181,7 @@ Event = (
     | Cancel
     | InternalFailure
     | Begin
+    | Retry
 )
 
 # --------------------------------------------------------------------------- effects

@@ -174,6 +174,9 @@ class RunRecord:
     #: transaction, so a tree of child runs is built one level per transaction
     #: instead of recursively inside the parent's.
     begun: bool = True
+    #: A fork's origin: ``{"run_id", "step_id", "seq"}`` (the run, the step it
+    #: branched off after, the last journal entry it copied); None otherwise.
+    forked_from: dict[str, Any] | None = None
     #: Sticky execution's bookkeeping (`stepd.sansio.sticky`), None until a
     #: sticky worker first takes one of the run's steps.
     sticky: dict[str, Any] | None = None
@@ -186,6 +189,8 @@ class RunRecord:
             d["depth"] = self.depth
         if not self.begun:
             d["begun"] = False
+        if self.forked_from is not None:
+            d["forked_from"] = self.forked_from
         if self.sticky is not None:
             d["sticky"] = self.sticky
         return d
@@ -259,5 +264,6 @@ class RunRecord:
             seq=d["seq"],
             depth=d.get("depth", 0),
             begun=d.get("begun", True),
+            forked_from=d.get("forked_from"),
             sticky=d.get("sticky"),
         )

@@ -72,8 +72,9 @@ class StickyWorker:
 
 @dataclass(frozen=True, slots=True)
 class StickyClaim:
-    """A completion's sticky cursor, its identity already checked against the worker
-    (`stepd.actors.daemon.sticky.check_completion`): the run checks seq and hash."""
+    """A completion's sticky cursor, its identity (workflow, run, build id) already checked
+    by the capability gate (`stepd.sansio.capabilities.check_completion`): the run checks
+    seq and hash."""
 
     seq: int
     hash: str

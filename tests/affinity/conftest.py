@@ -1,119 +1,170 @@
-"""Fixtures for the sticky execution tests: a real ``stepd serve`` process and real worker
-processes (`tests.affinity._sticky_worker`), started and stopped by PID, always reaped."""
+"""Helpers for the cross-worker affinity scenarios (tests/affinity/scenarios.toml).
+
+Real parts only: ``stepd serve`` subprocesses on 127.0.0.1 (`start_daemon`),
+SDK worker subprocesses (`tests.affinity._worker_proc`, through the
+campaign's `WorkerProcess`: stopped by PID, SIGKILLed by some tests, always
+reaped), raw HTTP and WebSocket workers (`make_link`) for the protocol's
+edges. Short lease timings, so a killed worker's lease is recovered in about
+a second. Sticky execution's tests have their own (`daemon`, `client`,
+`workers`: `tests.affinity._sticky_procs`).
+"""
 
 from __future__ import annotations
 
-import os
-import select
-import signal
-import subprocess
-import sys
+import queue
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 import stepd
-from tests.sdk.conftest import eventually, unique
-from tests.transport.conftest import DaemonProcess, start_daemon
+from tests.campaign._common import WorkerProcess, journal
+from tests.reliability.conftest import DaemonProcess, start_daemon, stop_daemon
+from tests.transport import conftest as transport
 
-__all__ = ["WorkerProcess", "eventually", "start_worker", "sticky_of", "unique"]
+from . import _sticky_procs
+from ._sticky_procs import StickyProcess
 
-ROOT = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 30.0
-REAP_TIMEOUT_S = 10.0
+__all__ = ["FAST_ARGS", "Fleet", "journal", "start_fast_daemon"]
+
+FAST_ARGS = ("--lease-ttl-ms", "800", "--heartbeat-ms", "200", "--recovery-window-ms", "200",
+             "--max-request-ms", "2000")
+WAIT_S = 30.0
 
 
-@dataclass
-class WorkerProcess:
-    proc: subprocess.Popen[str]
-    worker_id: str
+def start_fast_daemon(data: Path) -> DaemonProcess:
+    return start_daemon(data, *FAST_ARGS)
 
-    def kill(self) -> None:
-        """SIGKILL by PID: the worker is lost without a word."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(REAP_TIMEOUT_S)
-        self._close()
 
-    def _close(self) -> None:
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+class Fleet:
+    """Worker processes of one test, and the lines they print (bounded waits)."""
 
-    def stop(self) -> None:
-        """SIGTERM (graceful), then SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
+    def __init__(self, tmp: Path) -> None:
+        self.bodies = tmp / "bodies"
+        self.bodies.mkdir(parents=True, exist_ok=True)
+        self.logs = tmp / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.lines: queue.Queue[tuple[WorkerProcess, str | None]] = queue.Queue()
+        self.procs: list[WorkerProcess] = []
+        self.seen: list[tuple[WorkerProcess, str]] = []
+
+    def start(self, name: str, url: str, *, transport: str = "websocket",
+              workflow: str = "local", extra: tuple[str, ...] = ()) -> tuple[WorkerProcess, str]:
+        """Start a worker; return it and its worker id once it registered."""
+        proc = WorkerProcess(name, url, workflow, self.bodies, self.logs, self.lines,
+                             transport=transport, concurrency=2,
+                             module="tests.affinity._worker_proc", extra=extra)
+        self.procs.append(proc)
+        line = self.wait_line(lambda p, text: p is proc and text.startswith("ready "),
+                              f"{name} ready")
+        return proc, line.split()[1]
+
+    def wait_line(self, match: Any, what: str) -> str:
+        for p, text in self.seen:
+            if match(p, text):
+                return text
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out waiting for {what}: "
+                                     + " | ".join(p.stderr()[-800:] for p in self.procs))
             try:
-                self.proc.wait(REAP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close()
+                proc, text = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if text is None:
+                continue
+            self.seen.append((proc, text))
+            if match(proc, text):
+                return text
+
+    def body_files(self, run_id: str, step: str) -> list[tuple[str, str]]:
+        """``(pid, idempotency key)`` of each body of `step` in `run_id` that ran."""
+        out = []
+        for path in sorted(self.bodies.glob(f"{run_id}__{step}__*")):
+            pid = path.name.split("__")[2]
+            out.append((pid, path.read_text().split()[0]))
+        return out
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            proc.stop()
 
 
-def start_worker(url: str, prefix: str, *, transport: str, capacity: int = 0,
-                 build_id: str | None = "b1", worker_id: str | None = None,
-                 schedule_ms: int | None = None, max_bytes: int | None = None,
-                 log: Path | None = None) -> WorkerProcess:
-    cmd = [sys.executable, "-m", "tests.affinity._sticky_worker", "--url", url, "--prefix",
-           prefix, "--transport", transport, "--capacity", str(capacity)]
-    for flag, value in (("--build-id", build_id), ("--worker-id", worker_id),
-                        ("--schedule-ms", schedule_ms), ("--max-bytes", max_bytes)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPD_")}
-    if log is not None:
-        with log.open("a") as err:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
-                                    text=True, env=env)
-    else:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=env)
-    # The first line only: the worker prints nothing after it.
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else None
-    if line is None or not line.startswith("ready "):
-        proc.kill()
-        proc.wait(REAP_TIMEOUT_S)
-        proc.stdout.close()
-        raise RuntimeError(f"worker process did not get ready: {line!r}")
-    return WorkerProcess(proc, line.split()[1])
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.stop_all()
+
+
+@pytest.fixture
+def fast_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = start_fast_daemon(tmp_path / "data")
+    try:
+        yield d
+    finally:
+        stop_daemon(d)
+
+
+def start_runs(url: str, workflow: str, ns: list[int]) -> list[str]:
+    with httpx.Client(base_url=url, trust_env=False, timeout=10) as c:
+        out = []
+        for n in ns:
+            r = c.post("/v1/api/runs", json={"workflow": workflow, "input": {"n": n}})
+            assert r.status_code == 201, r.text
+            out.append(r.json()["run_id"])
+        return out
+
+
+def result(url: str, run_id: str) -> dict[str, Any]:
+    """The run's terminal answer (long-polled, bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    with httpx.Client(base_url=url, trust_env=False, timeout=10) as c:
+        while time.monotonic() < deadline:
+            r = c.get(f"/v1/api/runs/{run_id}/result", params={"wait_ms": 1500})
+            if r.status_code == 200 and r.json()["status"] in (
+                    "completed", "failed", "cancelled", "timed_out"):
+                return dict(r.json())
+    raise AssertionError(f"run {run_id} did not end within {WAIT_S} s")
+
+
+def events_of(url: str, run_id: str) -> list[dict[str, Any]]:
+    with httpx.Client(base_url=url, trust_env=False, timeout=10) as c:
+        return journal(c, run_id)
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = start_daemon(tmp_path_factory.mktemp("sticky") / "data", "--max-request-ms", "2000")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[transport.DaemonProcess]:
+    d = transport.start_daemon(tmp_path_factory.mktemp("sticky") / "data",
+                               "--max-request-ms", "2000")
     yield d
     assert d.stop() == 0, d.stderr()
 
 
 @pytest.fixture
-def client(daemon: DaemonProcess) -> Iterator[stepd.Client]:
+def client(daemon: transport.DaemonProcess) -> Iterator[stepd.Client]:
     with stepd.Client(daemon.url, trust_env=False) as c:
         yield c
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+def workers(tmp_path: Path) -> Iterator[Callable[..., StickyProcess]]:
     """Start worker processes; every one is stopped and reaped at the end."""
-    started: list[WorkerProcess] = []
+    started: list[StickyProcess] = []
 
-    def start(*args: Any, **kwargs: Any) -> WorkerProcess:
+    def start(*args: Any, **kwargs: Any) -> StickyProcess:
         kwargs.setdefault("log", tmp_path / "workers.log")
-        w = start_worker(*args, **kwargs)
+        w = _sticky_procs.start_worker(*args, **kwargs)
         started.append(w)
         return w
 
     yield start
     for w in started:
         w.stop()
-
-
-def sticky_of(client: stepd.Client, worker_id: str) -> dict[str, Any] | None:
-    for w in client.workers():
-        if w["worker_id"] == worker_id:
-            return w.get("sticky")  # type: ignore[no-any-return]
-    raise AssertionError(f"worker {worker_id} is not listed")

@@ -20,10 +20,11 @@ import httpx
 import pytest
 
 import stepd
+from tests.sdk.conftest import eventually, unique
 from tests.transport.conftest import DaemonProcess
 
+from ._sticky_procs import StickyProcess, sticky_of
 from ._sticky_worker import workflows
-from .conftest import WorkerProcess, eventually, sticky_of, unique
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", ["websocket", "http"])]
 
@@ -44,7 +45,7 @@ def finish(client: stepd.Client, run: Any, payload: Any = "go!") -> Any:
     return client.result(run, timeout=60)
 
 
-def reference(client: stepd.Client, workers: Callable[..., WorkerProcess], url: str,
+def reference(client: stepd.Client, workers: Callable[..., StickyProcess], url: str,
               prefix: str, transport: str, kind: str) -> tuple[Any, Any]:
     """The result and state of the same workflow with the cache off."""
     w = workers(url, prefix, transport=transport, capacity=0)
@@ -56,7 +57,7 @@ def reference(client: stepd.Client, workers: Callable[..., WorkerProcess], url: 
 
 
 def test_sticky_hits_and_the_result_is_the_same_as_without(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     prefix = unique()
     off = reference(client, workers, daemon.url, prefix, transport, "chain")
@@ -78,7 +79,7 @@ def test_sticky_hits_and_the_result_is_the_same_as_without(
 
 
 def test_eviction_by_capacity_forces_cold_replays(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     prefix = unique()
     off = reference(client, workers, daemon.url, prefix, transport, "paused")
@@ -97,7 +98,7 @@ def test_eviction_by_capacity_forces_cold_replays(
 
 
 def take_over(daemon: DaemonProcess, client: stepd.Client,
-              workers: Callable[..., WorkerProcess], transport: str, *, kill: bool,
+              workers: Callable[..., StickyProcess], transport: str, *, kill: bool,
               build_id: str) -> None:
     """A run's first step on one process; another process takes over its worker id (with
     `build_id`) before the next: the delta it gets names a cache it does not hold, so it
@@ -120,20 +121,20 @@ def take_over(daemon: DaemonProcess, client: stepd.Client,
 
 
 def test_a_replacement_process_with_the_same_worker_id_replays_cold(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     take_over(daemon, client, workers, transport, kill=True, build_id="b1")
 
 
 def test_a_build_mismatch_replays_cold(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     # s1's delta names the b1 cache: fetched cold; s2's names b2: a hit.
     take_over(daemon, client, workers, transport, kill=False, build_id="b2")
 
 
 def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_ms(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     prefix = unique()
     off = reference(client, workers, daemon.url, prefix, transport, "paused")
@@ -152,7 +153,7 @@ def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_
 
 
 def test_a_corrupted_cache_entry_is_caught_by_the_cursor_check(
-        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., WorkerProcess],
+        daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
         transport: str) -> None:
     """The base cursor the lease names does not match the entry: no hit, a cold replay.
 

@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from stepd.sansio.sticky import view_hash
+from tests.sdk.conftest import unique
 from tests.transport.conftest import DaemonProcess, Worker, start_run, task_def, wait_result
-
-from .conftest import unique
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,8 +38,9 @@ def sticky_worker(http: httpx.Client, defs: list[dict[str, Any]], build: str = "
 
 
 def report(lease: dict[str, Any], build: str | None = "b1", **change: Any) -> dict[str, Any]:
+    """The sticky fields of a complete body: the cursor cached for `lease`, and counts."""
     cursor = {**lease["sticky"]["cursor"], "build_id": build, **change}
-    return {"cursor": cursor, "stats": {"hit": 0, "miss": 1}}
+    return {"sticky_cursor": cursor, "sticky_stats": {"hit": 0, "miss": 1}}
 
 
 def complete(http: httpx.Client, lease: dict[str, Any], body: dict[str, Any]) -> httpx.Response:
@@ -57,7 +57,7 @@ def test_full_then_delta_then_history(http: httpx.Client) -> None:
     assert s["cursor"]["hash"] == view_hash({}, {}) and s["cursor"]["build_id"] == "b1"
     assert s["cursor"]["workflow"] == name and s["cursor"]["run_id"] == run
     r = complete(http, first, {"output": {"a": 1}, "state_patch": {"big": "x" * 100},
-                               "sticky": report(first)})
+                               **report(first)})
     assert r.status_code == 200, r.text
 
     (second,) = w.claim(wait_ms=2000)
@@ -72,7 +72,7 @@ def test_full_then_delta_then_history(http: httpx.Client) -> None:
     assert h.json() == {"cursor": {k: s2["cursor"][k] for k in ("seq", "hash", "workflow",
                                                                  "run_id")},
                         "steps": {"a": {"a": 1}}, "state": {"big": "x" * 100}}
-    r = complete(http, second, {"output": {"b": 2}, "sticky": report(second)})
+    r = complete(http, second, {"output": {"b": 2}, **report(second)})
     assert r.status_code == 200, r.text
     # Over: already applied; an unknown lease: 404.
     h = http.get(f"/v1/api/steps/{second['lease_id']}/history")
@@ -81,7 +81,7 @@ def test_full_then_delta_then_history(http: httpx.Client) -> None:
 
     (third,) = w.claim(wait_ms=2000)
     assert third["sticky"]["steps"] == {"b": {"b": 2}} and third["sticky"]["state"] == {}
-    assert complete(http, third, {"output": 3, "sticky": {"cursor": None}}).status_code == 200
+    assert complete(http, third, {"output": 3, "sticky_cursor": None}).status_code == 200
     assert wait_result(http, run)["status"] == "completed"
 
 
@@ -91,22 +91,25 @@ def test_a_cursor_that_does_not_match_is_refused_whole(http: httpx.Client) -> No
     run = start_run(http, name, None)
     (lease,) = w.claim(wait_ms=2000)
     cases = [
-        (report(lease, hash="1" * 64), "sticky.cursor"),
-        (report(lease, seq=lease["sticky"]["cursor"]["seq"] + 5), "sticky.cursor"),
-        (report(lease, build="b2"), "sticky.cursor.build_id"),
-        (report(lease, run_id="r_SOMEOTHERRUN"), "sticky.cursor.run_id"),
-        (report(lease, workflow="another"), "sticky.cursor"),
-        (report(lease, hash="not-hex"), "sticky.cursor.hash"),
-        ({"cursor": None, "stats": {"hits": 1}}, "sticky.stats.hits"),
+        # The run machine: not the history this lease was issued with.
+        (report(lease, hash="1" * 64), "sticky_cursor"),
+        (report(lease, seq=lease["sticky"]["cursor"]["seq"] + 5), "sticky_cursor"),
+        # The capability gate: the exact cache identity of the lease.
+        (report(lease, build="b2"), "sticky_cursor.build_id"),
+        (report(lease, run_id="r_SOMEOTHERRUN"), "sticky_cursor.run_id"),
+        (report(lease, workflow="another"), "sticky_cursor.workflow"),
+        # The transport parser.
+        (report(lease, hash="not-hex"), "sticky_cursor.hash"),
+        ({"sticky_stats": {"hits": 1}}, "sticky_stats.hits"),
     ]
     for sticky, field in cases:
-        r = complete(http, lease, {"output": {"a": 1}, "sticky": sticky})
+        r = complete(http, lease, {"output": {"a": 1}, **sticky})
         assert r.status_code == 400, (sticky, r.text)
         assert r.json()["field"] == field, r.text
     # Nothing was applied: the lease is still live and completes.
     events = http.get(f"/v1/api/runs/{run}/journal").json()["events"]
     assert [e["type"] for e in events].count("step_completed") == 0
-    assert complete(http, lease, {"output": {"a": 1}, "sticky": report(lease)}).status_code == 200
+    assert complete(http, lease, {"output": {"a": 1}, **report(lease)}).status_code == 200
 
 
 def test_sticky_data_from_a_worker_that_did_not_negotiate_it_is_400(http: httpx.Client) -> None:
@@ -117,8 +120,10 @@ def test_sticky_data_from_a_worker_that_did_not_negotiate_it_is_400(http: httpx.
     assert "sticky" not in lease and lease["steps"] == {} and lease["state"] == {}
     cursor = {"seq": 1, "hash": "0" * 64, "workflow": name, "run_id": lease["run_id"],
               "build_id": None}
-    r = complete(http, lease, {"output": 1, "sticky": {"cursor": cursor}})
-    assert r.status_code == 400 and r.json()["field"] == "sticky", r.text
+    r = complete(http, lease, {"output": 1, "sticky_cursor": cursor})
+    assert r.status_code == 400 and r.json()["field"] == "sticky_cursor", r.text
+    r = complete(http, lease, {"output": 1, "sticky_stats": {"hit": 1}})
+    assert r.status_code == 400 and r.json()["field"] == "sticky_stats", r.text
     assert complete(http, lease, {"output": 1}).status_code == 200
 
 

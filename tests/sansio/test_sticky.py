@@ -63,14 +63,15 @@ def machine(*ids: str) -> RunMachine:
 
 def offer(m: RunMachine, step: str, lease: str, sticky: StickyWorker | None = W1,
           worker: str = "w1") -> dict[str, Any]:
-    tr = m.handle(AttemptOffered(step, None, lease, worker, "n", sticky), 1)
+    tr = m.handle(AttemptOffered(step, None, lease, worker, "n", sticky=sticky), 1)
     assert tr.lease is not None
     return tr.lease
 
 
 def complete(m: RunMachine, step: str, lease: dict[str, Any], output: Any,
              patch: dict[str, Any] | None = None, claim: StickyClaim | None = None) -> None:
-    m.handle(AttemptCompleted(step, None, lease["fence"], output, patch, None, None, claim), 2)
+    m.handle(AttemptCompleted(step, None, lease["fence"], output, patch, None, None,
+                              sticky=claim), 2)
 
 
 def claim_of(lease: dict[str, Any], **change: Any) -> StickyClaim:
@@ -116,7 +117,7 @@ def test_a_claim_that_is_not_the_current_cursor_changes_nothing() -> None:
                 claim_of(lease, workflow="other")):
         with pytest.raises(Invalid) as err:
             complete(m, "a", lease, 1, None, bad)
-        assert err.value.field == "sticky.cursor"
+        assert err.value.field == "sticky_cursor"
         assert m.record.to_dict() == before
 
 
