@@ -12,6 +12,7 @@ from typing import Any, Final, TypeVar
 
 from stepd.sansio.errors import Invalid, field_path
 from stepd.sansio.templates import iter_templates, parse_template
+from stepd.sansio.session_spec import parse_sessions
 
 from ._model import (
     _DEFAULT_RETRY,
@@ -35,7 +36,7 @@ from ._model import (
 
 # --- parsing -----------------------------------------------------------------------
 
-_TOP_KEYS: Final = ("name", "version", "steps", "budgets", "deadline_ms")
+_TOP_KEYS: Final = ("name", "version", "steps", "budgets", "deadline_ms", "sessions")
 _RETRY_KEYS: Final = (
     "max_attempts",
     "initial_backoff_ms",
@@ -54,6 +55,7 @@ _STEP_KEYS: Final[Mapping[StepKind, tuple[str, ...]]] = {
         "delivery",
         "cost_units",
         "_next_step",
+        "session",
     ),
     StepKind.FOR_EACH: (
         "id",
@@ -68,6 +70,7 @@ _STEP_KEYS: Final[Mapping[StepKind, tuple[str, ...]]] = {
         "delivery",
         "cost_units",
         "_next_step",
+        "session",
     ),
     StepKind.WAIT: ("id", "kind", "event", "timeout_ms", "into", "_next_step"),
     StepKind.SLEEP: ("id", "kind", "duration_ms", "_next_step"),
@@ -157,12 +160,19 @@ def _parse_definition(obj: Mapping[str, Any]) -> Definition:
         steps.append(step)
     budgets = parse_budgets(obj["budgets"]) if "budgets" in obj else _NO_BUDGETS
     deadline_ms = _optional_int(obj.get("deadline_ms"), "deadline_ms", minimum=1, maximum=MAX_DURATION_MS)
+    sessions = parse_sessions(obj["sessions"]) if "sessions" in obj else {}
+    for index, step in enumerate(steps):
+        wanted = getattr(step, "session", None)
+        if wanted is not None and wanted not in sessions:
+            raise Invalid(f"names no session of this definition's sessions block: {wanted!r}",
+                          field=f"steps[{index}].session")
     return Definition(
         name=name,
         steps=tuple(steps),
         version=version,
         budgets=budgets,
         deadline_ms=deadline_ms,
+        sessions=sessions,
     )
 
 
@@ -210,6 +220,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
+            session=_optional_name(obj.get("session"), f"{where}.session"),
         )
     if kind is StepKind.FOR_EACH:
         return ForEachStep(
@@ -224,6 +235,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
+            session=_optional_name(obj.get("session"), f"{where}.session"),
         )
     if kind is StepKind.WAIT:
         return WaitStep(

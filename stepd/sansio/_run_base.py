@@ -2,7 +2,7 @@
 
 `RunMachine` (`run.py`) is built in layers, each its own module and class so
 no class holds the whole machine: `_RunBase` (state, journal, budgets,
-endings) <- `_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
+endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <- `_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
 `_RunEvents` (`_run_events.py`: one handler per event) <- `RunMachine`
 (`run.py`: creation, queries, the dispatch table, the status view).
 """
@@ -31,6 +31,7 @@ from .events import (
     Withdraw,
 )
 from .record import Frame, RunRecord, Slot, slot_key
+from .session_spec import work_session_id
 from .status import LIVE_PHASES, ErrorReason, RunStatus, SlotPhase
 from .templates import MISSING, TemplateContext
 
@@ -172,6 +173,12 @@ class _RunBase:
         if slot.item_index is not None:
             key += f"/{slot.item_index}"
         assert isinstance(step, (TaskStep, ForEachStep))
+        session = pinned = None
+        if step.session is not None:  # AFFINITY.md "Worker sessions": only to the holder
+            entry = r.sessions.get(step.session)
+            session = work_session_id(r.run_id, step.session)
+            if entry is not None and entry["status"] == "held":
+                pinned = entry["holder"]
         return AttemptSpec(
             run_id=r.run_id,
             workflow=r.workflow,
@@ -185,6 +192,8 @@ class _RunBase:
             timeout_ms=step.timeout_ms,
             idempotency_key=key,
             excluded_workers=tuple(slot.excluded),
+            session=session,
+            pinned=pinned,
         )
 
     def _slot(self, step_id: str, item_index: int | None) -> tuple[Frame, Slot]:

@@ -66,6 +66,7 @@ class _RunEvents(_RunSteps):
             raise Fenced(f"worker {ev.worker_id} answered unservable for slot "
                          f"{slot_key(ev.step_id, ev.item_index)}")
         step = self.definition.step(f.step_id)
+        session = self._check_holder(getattr(step, "session", None), ev.worker_id)
         tr = Transition()
         key = slot_key(ev.step_id, ev.item_index)
         fence = self.record.fences.get(key, 0) + 1
@@ -101,6 +102,8 @@ class _RunEvents(_RunSteps):
             "span_id": span_id_for(ev.lease_id),
             "timeout_ms": spec.timeout_ms,
         }
+        if session is not None:
+            tr.lease["session"] = session
         return tr
 
     def _on_started(self, ev: AttemptStarted, now: int) -> Transition:

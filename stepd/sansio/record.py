@@ -174,6 +174,10 @@ class RunRecord:
     #: transaction, so a tree of child runs is built one level per transaction
     #: instead of recursively inside the parent's.
     begun: bool = True
+    #: Worker sessions by name: {"id", "holder", "gen", "status"} (AFFINITY.md);
+    #: status pending | held | lost | expired. The recorded routing a holder
+    #: change keeps.
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = self._to_dict()
@@ -183,6 +187,8 @@ class RunRecord:
             d["depth"] = self.depth
         if not self.begun:
             d["begun"] = False
+        if self.sessions:
+            d["ws"] = self.sessions
         return d
 
     def _to_dict(self) -> dict[str, Any]:
@@ -254,4 +260,5 @@ class RunRecord:
             seq=d["seq"],
             depth=d.get("depth", 0),
             begun=d.get("begun", True),
+            sessions=d.get("ws") or {},
         )
