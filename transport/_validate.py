@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeGuard
 
-from stepd.sansio.errors import Invalid, field_path
+from stepd.sansio.errors import Invalid, NotFound, field_path
 
 NO_BODY: Final = object()
 """The ``body`` of a call that carried none (an empty HTTP body)."""
@@ -171,6 +171,15 @@ def is_run_id(value: object) -> TypeGuard[str]:
 
 def is_lease_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 3 <= len(value) <= 64 and LEASE_ID.fullmatch(value) is not None
+
+
+SESSION_ID: Final = re.compile(r"ws_r_[0-9A-Za-z][0-9A-Za-z._@-]*\.[A-Za-z0-9_-]{1,64}")
+
+
+def is_session_id(value: object) -> TypeGuard[str]:
+    """A worker session id, ``ws_<run id>.<name>`` (docs/affinity.md "Worker sessions")."""
+    return isinstance(value, str) and 6 <= len(value) <= 600 \
+        and SESSION_ID.fullmatch(value) is not None
 
 
 def is_worker_id(value: object) -> TypeGuard[str]:
@@ -355,8 +364,46 @@ def parse_register(body: Any) -> dict[str, Any]:
             entry = _obj(_required(manifest, cap, "manifest"), f"manifest.{cap}")
             if entry.get("status", _MISSING) not in ("supported", "rejected"):
                 raise Invalid('must be "supported" or "rejected"', field=f"manifest.{cap}.status")
+        _sessions_entry(manifest["sessions"])
         out["manifest"] = manifest
     return out
+
+
+def _sessions_entry(entry: dict[str, Any]) -> None:
+    """``manifest.sessions``: ``resources`` (names to scalars), ``max_sessions`` (how many
+    sessions the worker holds at once, default 1), ``queues`` (names; absent: any)."""
+    where = "manifest.sessions"
+    _closed(entry, frozenset({"status", "resources", "max_sessions", "queues"}), where)
+    if "resources" in entry:
+        resources = _obj(entry["resources"], f"{where}.resources")
+        for k, v in resources.items():
+            if isinstance(v, (dict, list)) or v is None:
+                raise Invalid("must be a string, number or boolean",
+                              field=f"{where}.resources.{k}")
+    if "max_sessions" in entry:
+        check_int(entry["max_sessions"], f"{where}.max_sessions", minimum=0, maximum=10_000)
+    if "queues" in entry:
+        queues = entry["queues"]
+        if not isinstance(queues, list) or not all(isinstance(q, str) and q for q in queues):
+            raise Invalid("must be an array of queue names", field=f"{where}.queues")
+
+
+def parse_session_call(body: Any, connection_worker: str | None) -> str:
+    """``SessionCallRequest`` (renew, close): ``{"worker_id"}`` -> the worker id.
+
+    Over a WebSocket the connection's worker is the caller and ``worker_id`` may
+    be omitted; given, it must be that worker (else the session is unknown to it).
+    """
+    b = _body_or_empty(body)
+    _closed(b, frozenset({"worker_id"}), "")
+    if "worker_id" not in b:
+        if connection_worker:
+            return connection_worker
+        raise Invalid("is required", field="worker_id")
+    worker_id = _pattern(b["worker_id"], "worker_id", WORKER_ID, "a worker id (w_...)", 64)
+    if connection_worker is not None and worker_id != connection_worker:
+        raise NotFound("the session is not held by this connection's worker")
+    return worker_id
 
 
 def parse_claim(body: Any) -> dict[str, Any]:

@@ -93,6 +93,14 @@ class InProcess:
         """``POST /v1/api/steps/{lease}/fail`` (returns once durable)."""
         return await self._call(Operation.FAIL, target=lease_id, body=body)
 
+    async def session_renew(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/sessions/{session}/renew`` (docs/affinity.md "Worker sessions")."""
+        return await self._call(Operation.SESSION_RENEW, target=session_id, body=body)
+
+    async def session_close(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/sessions/{session}/close``."""
+        return await self._call(Operation.SESSION_CLOSE, target=session_id, body=body)
+
     # -- runs ------------------------------------------------------------------------------
 
     async def start_run(self, body: dict[str, Any]) -> dict[str, Any]:

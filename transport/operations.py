@@ -32,6 +32,7 @@ from ._validate import (
     parse_heartbeat,
     parse_kill,
     parse_register,
+    parse_session_call,
     parse_signal,
     parse_start_run,
     parse_started,
@@ -70,6 +71,8 @@ class Operation(IdentityEnum):
     KILL = "kill"
     DEFINITIONS = "definitions"
     STATS = "stats"
+    SESSION_RENEW = "session_renew"
+    SESSION_CLOSE = "session_close"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,8 @@ class OperationSpec:
     Attributes:
         need: the scope group (`Need`).
         audit: the audit action, or None (worker calls are never audited).
-        target: which path id the operation takes: ``"run"``, ``"lease"`` or None.
+        target: which path id the operation takes: ``"run"``, ``"lease"``, ``"session"``
+            (a worker session) or None.
         body: ``"none"``, ``"optional"`` (omitted means ``{}``) or ``"required"``.
         run: the handler.
         in_txn: its audit entry is written in the change's own transaction
@@ -149,6 +153,16 @@ def _lease_op(op: Op, parse: Callable[[Any], dict[str, Any]]) -> Handler:
 
     handler.__name__ = f"_{op.value}"
     return handler
+
+
+async def _session_renew(p: Context, r: Request) -> Reply:
+    worker_id = parse_session_call(r.body, r.worker_id)
+    return Reply(200, await p.daemon.session_renew(r.target, worker_id))
+
+
+async def _session_close(p: Context, r: Request) -> Reply:
+    worker_id = parse_session_call(r.body, r.worker_id)
+    return Reply(200, await p.daemon.session_close(r.target, worker_id))
 
 
 # --------------------------------------------------------------------------- runs
@@ -290,6 +304,8 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
     Operation.COMPLETE: OperationSpec(_W, None, "lease", "required",
                                       _lease_op(Op.COMPLETE, parse_complete)),
     Operation.FAIL: OperationSpec(_W, None, "lease", "required", _lease_op(Op.FAIL, parse_fail)),
+    Operation.SESSION_RENEW: OperationSpec(_W, None, "session", "optional", _session_renew),
+    Operation.SESSION_CLOSE: OperationSpec(_W, None, "session", "optional", _session_close),
     Operation.START_RUN: OperationSpec(_E, _act.RUNS_START, None, "required", _start_run,
                                        in_txn=True, mutation=True),
     Operation.LIST_RUNS: OperationSpec(_R, _act.RUNS_LIST, None, "none", _list_runs),

@@ -53,6 +53,7 @@ from ._validate import (
     decode_json,
     encode_json,
     is_lease_id,
+    is_session_id,
     is_run_id,
     parse_kill,
 )
@@ -241,6 +242,8 @@ class Protocol:
                 raise NotFound(f"run {target!r} not found")
             if spec.target == "lease" and not is_lease_id(target):
                 raise NotFound(f"lease {target!r} not found")
+            if spec.target == "session" and not is_session_id(target):
+                raise NotFound(f"worker session {target!r} not found")
             if op is Operation.KILL:
                 audit_target = parse_kill(body)
             if spec.in_txn and self.audited:

@@ -20,10 +20,9 @@ echoes::
      | {"op": "error", "id": 7, "status": 400, "message": "...", "field": "..."}
     <- {"op": "cancel", "lease_id": "...", "reason": "run_terminal" | "fenced"}
 
-The bodies are validated by `Protocol` exactly as over HTTP (the frame minus
-``op``, ``id`` and ``lease_id`` is the HTTP body), so the same input gets the
-same rejection on either transport. Answers are sent only after what they
-acknowledge is durable: the daemon's calls return after the commit.
+The bodies are validated by `Protocol` exactly as over HTTP (the frame minus ``op``,
+``id``, ``lease_id``/``session_id`` is the HTTP body), so the same input gets the same
+rejection on either transport. Answers are sent only once what they acknowledge is durable.
 
 Per connection (all its tasks in one task group, STYLE.md rule 7):
 
@@ -110,8 +109,9 @@ _LEASE_OPS: Final = {
     "heartbeat": Operation.HEARTBEAT,
     "complete": Operation.COMPLETE,
     "fail": Operation.FAIL,
+    "session_renew": Operation.SESSION_RENEW, "session_close": Operation.SESSION_CLOSE,
 }
-_ENVELOPE: Final = frozenset({"op", "id", "lease_id"})
+_ENVELOPE: Final = frozenset({"op", "id", "lease_id", "session_id"})
 _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
@@ -435,7 +435,7 @@ class WorkerConnection:
             return
         if op not in _LEASE_OPS and op not in ("register", "credit"):
             await self._push(_error_frame(frame_id, Invalid(
-                "must be register, credit, started, heartbeat, complete or fail", field="op")))
+                "must be register, credit, a lease call or a session call", field="op")))
             return
         if not _is_id(frame_id):
             await self._push(_error_frame(None, Invalid("a request needs an integer id",
@@ -540,12 +540,13 @@ class WorkerConnection:
             self._limit.release()
 
     async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
-        lease_id = frame.get("lease_id")
-        if not isinstance(lease_id, str):
-            return error_reply(Invalid("must be the lease id (a string)", field="lease_id"))
+        key = "session_id" if op.text.startswith("session_") else "lease_id"  # docs/affinity.md
+        target = frame.get(key)
+        if not isinstance(target, str):
+            return error_reply(Invalid(f"must be the {key[:-3]} id (a string)", field=key))
         body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
         # The connection's worker: another worker's lease is unknown here.
-        return await self.protocol.handle(op, self.principal, target=lease_id, body=body,
+        return await self.protocol.handle(op, self.principal, target=target, body=body,
                                           worker_id=self.worker_id or "")
 
     # -- the push session ---------------------------------------------------------------

@@ -127,6 +127,8 @@ class WorkerOps(ApiBase):
             "protocol_version": negotiated, "concurrency": concurrency,
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
+            # Read by routing: worker sessions match its resources (AFFINITY.md).
+            "manifest": manifest,
         }
 
         def txn(t: Any) -> list[Any]:

@@ -35,6 +35,7 @@ from stepd.storage import Storage
 
 from . import listing, peers, store
 from ._api_runs import RunOps
+from ._api_sessions import SessionOps
 from ._api_workers import Connection, WorkerOps, _load_workers
 from .catalog import Catalog
 from .messages import (
@@ -54,7 +55,7 @@ _CLAIMS = itertools.count(1)
 _CONNECTIONS = itertools.count(1)
 
 
-class Daemon(WorkerOps, RunOps):
+class Daemon(WorkerOps, RunOps, SessionOps):
     """The daemon: storage, catalog, the actor tree, and the operations. Open with `Daemon.open`."""
 
     # ------------------------------------------------------------------ lifecycle

@@ -136,6 +136,8 @@ class RegistryActor(Actor):
             return False
         if sub.run_id is not None and sub.run_id != spec.run_id:
             return False
+        if spec.session is not None and spec.pinned != sub.worker_id:
+            return False  # a worker session's step: its holder only (none yet: it waits)
         return sub.worker_id not in spec.excluded_workers
 
     def _hand(self, sub: _Sub, spec: AttemptSpec) -> bool:
@@ -152,7 +154,8 @@ class RegistryActor(Actor):
         slot = spec_slot(spec)
         known = self.queued.get(slot)
         if known is not None:
-            if known.attempt >= spec.attempt and known.excluded_workers == spec.excluded_workers:
+            if known.attempt >= spec.attempt and known.excluded_workers == spec.excluded_workers \
+                    and known.pinned == spec.pinned:
                 return  # a re-announcement of what is queued already
             self._remove(known)
         for sub in list(self.waiting):

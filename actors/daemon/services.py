@@ -167,3 +167,5 @@ class Services:
     run_spec: Callable[[str, Any, bool], ChildSpec] = _unset
     lease_spec: Callable[[Any, bool], ChildSpec] = _unset
     session_spec: Callable[[str], ChildSpec] = _unset
+    #: The child spec of a worker session's ("affinity session") actor, by session id.
+    work_session_spec: Callable[[str], ChildSpec] = _unset

@@ -395,7 +395,7 @@ class Definition:
         `parse_definition` of the result equals this definition, and the result is
         what `definition_hash` is computed over (without ``version``).
         """
-        out = {
+        out: dict[str, Any] = {
             "name": self.name,
             "version": self.version,
             "steps": [step.to_json() for step in self.steps],
