@@ -53,6 +53,9 @@ class Connections:
     _ready_thread: threading.Event
     _task_status: Any
 
+    if TYPE_CHECKING:
+        def _sessions_register(self, body: dict[str, Any]) -> None: ...  # `_work_sessions`
+
     def _init_connections(self) -> None:
         self._channel: Channel | None = None
         self._channel_kind: str | None = None
@@ -145,6 +148,7 @@ class Connections:
             body["build_id"] = self.build_id
         if self.worker_id is not None:
             body["worker_id"] = self.worker_id
+        self._sessions_register(body)
         return body
 
     async def _serve_channel(self, channel: Channel) -> None:

@@ -107,6 +107,8 @@ class LeaseProtocol(LeaseCalls):
 
         def _body_ends(self, active: Active) -> None: ...
 
+        async def _enter_session(self, lease: dict[str, Any]) -> tuple[Any, ...] | None: ...
+
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
@@ -378,6 +380,10 @@ class LeaseProtocol(LeaseCalls):
             args = (ctx, lease.get("input"))
         else:
             args = (ctx, lease.get("input"), lease.get("steps") or {})
+        if "session" in lease:  # a worker session's step: its holder restores resources first
+            refused = await self._enter_session(lease)
+            if refused is not None:
+                return refused
         try:
             if body.is_async:
                 token = _current_ctx.set(ctx)

@@ -76,6 +76,7 @@ from stepd._errors import Invalid
 from stepd._heartbeats import Heartbeats
 from stepd._leases import LeaseProtocol
 from stepd._serving import Serving
+from stepd._work_sessions import SessionAcquired, WorkSessions
 from stepd.actors import Waiter, current_time
 from stepd.workflow import Workflow
 
@@ -111,7 +112,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -128,6 +129,12 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
             ``"websocket"`` or ``"http"``. Ignored for an embedded daemon.
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
+        resources: what this worker offers worker sessions (``{"gpu": "a100"}``);
+            a session is created on a worker whose resources match its requirements.
+        max_sessions: how many worker sessions it holds at once; 0 (default): none
+            (docs/affinity.md "Worker sessions").
+        on_session_acquired: called with a `SessionAcquired` before the first step
+            of each session this worker acquires (also `Worker.on_session_acquired`).
 
     Attributes:
         running: leases held now (bodies running, or being reported).
@@ -148,6 +155,9 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
         transport: str = "auto",
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
+        resources: Mapping[str, Any] | None = None,
+        max_sessions: int = 0,
+        on_session_acquired: Callable[[SessionAcquired], Any] | None = None,
     ) -> None:
         from stepd.channels.http import base_url
         from stepd.client import AsyncClient, Client
@@ -210,6 +220,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
         self._threads: anyio.CapacityLimiter | None = None
         self._init_connections()
         self._init_heartbeats()
+        self._init_work_sessions(resources, max_sessions, on_session_acquired)
 
     def __repr__(self) -> str:
         where = self.url or repr(self._daemon)
@@ -383,6 +394,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats):
                 active.scope.cancel()  # a sync body's thread is abandoned
         while self.running > 0:
             await self._wait_slots()
+        await self._close_sessions()
         self._finish()
 
     def _finish(self) -> None:

@@ -80,6 +80,9 @@ def split_session_id(session_id: str) -> tuple[str, str]:
 
 class WorkSessionActor(Actor):
     kind = "work_session"
+    #: A refused renew or close (fenced: not the holder, or the session ended) is the
+    #: caller's answer, not a crash; the machine changed nothing.
+    reply_errors = (StepdError,)
 
     def __init__(self, services: Services, session_id: str) -> None:
         self.s = services

@@ -111,6 +111,9 @@ class InProcessChannel(Channel):
     async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._invoke(op, lease_id, body)
 
+    async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._invoke(op, session_id, body)
+
     async def pump(self, host: Host, max_request_ms: int) -> None:
         daemon = self.daemon
         assert host.worker_id is not None
