@@ -18,6 +18,7 @@ holder loss, a new holder is looked for. It asks the worker sessions
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from stepd.actors import Actor, ActorDead, ActorNotFound
@@ -58,6 +59,7 @@ log = logging.getLogger("stepd.sessions")
 RETRY_S = 0.2
 
 
+@dataclass(frozen=True, slots=True)
 class _Retry:
     """The ``retry`` timer fired."""
 
