@@ -179,8 +179,11 @@ class Daemon(WorkerOps, RunOps, SessionOps):
             return 0
 
     def connected_workers(self) -> int:
+        """Worker connection sessions (``/sessions/w_...``; not the worker sessions of runs,
+        ``/sessions/ws_...``, docs/affinity.md)."""
         try:
-            return self.system.supervisor("/sessions").count_children()
+            return sum(1 for name, _ in self.system.supervisor("/sessions").which_children()
+                       if not name.startswith("ws_"))
         except (ActorDead, ActorNotFound):
             return 0
 
