@@ -107,6 +107,10 @@ class WorkSessionActor(Actor):
         raw = e.storage.get(store.WORK_SESSIONS, self.session_id)
         if isinstance(raw, dict):
             self.machine = WorkSessionMachine(WorkSessionRecord.from_dict(raw))
+            r = self.machine.record
+            if self.session_id not in e.work_sessions_seen and r.status is WorkSessionStatus.HELD:
+                r.lease_until = min(e.clock.time_ms() + r.lease_ms, r.expires_at)
+                await e.storage.write(work_store.save_txn, r.to_dict(), [])
         else:  # created: its absolute TTL starts now
             spec = self.spec
             self.machine = WorkSessionMachine.create(
@@ -114,6 +118,7 @@ class WorkSessionActor(Actor):
                 max_concurrent=spec.max_concurrent, reacquire=spec.reacquire,
                 now=e.clock.time_ms())
             await e.storage.write(work_store.save_txn, self.machine.record.to_dict(), [])
+        e.work_sessions_seen.add(self.session_id)
         self._arm()
         self.ref.tell_nowait(EnsureHolder())
 
@@ -212,6 +217,7 @@ class WorkSessionActor(Actor):
                 await self._notify(fx.kind, fx.worker_id, fx.generation, fx.reacquire)
         assert self.machine is not None
         if self.machine.status.terminal:
+            self.s.work_sessions_seen.discard(self.session_id)
             self.stop()  # its record stays; a later call finds it there
 
     async def _notify(self, kind: str, worker_id: str | None, generation: int,

@@ -263,3 +263,22 @@ async def test_a_session_definition_names_the_bad_field(tmp_path: Path) -> None:
         with pytest.raises(Invalid) as exc:
             await d.register_worker(definitions=[bad])
         assert exc.value.field == "definitions[0].steps[0].session"
+
+
+async def test_a_daemon_restart_grants_the_holder_a_full_lease(tmp_path: Path) -> None:
+    clock = ManualClock(wall_ms=1_700_000_000_000)
+    config = DaemonConfig(lease_ttl_ms=60_000, heartbeat_ms=20_000, recovery_window_ms=5_000)
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as d:
+        holder = await register(d, flow("s9"), "a100")
+        await d.start_run("s9", {})
+        lease = (await claim_some(d, holder, clock))[0]
+        sid = lease["session"]["session_id"]
+        await finish(d, lease)
+        before = record(d, sid)
+    clock.advance(LEASE_MS / 1000 + 1.0)  # the daemon was down longer than lease_ms
+    async with Daemon.open(str(tmp_path / "data"), clock=clock, config=config) as d:
+        await eventually(lambda: record(d, sid)["lease_until"] > before["lease_until"],
+                         what="a fresh lease")
+        answer = await d.session_renew(sid, holder)  # still the holder: it may renew
+        assert answer["generation"] == 1
+        assert record(d, sid)["expires_at"] == before["expires_at"]
