@@ -43,7 +43,7 @@ from typing import Any
 import anyio
 
 import stepd
-from bench import _setups
+from bench import _otlp, _setups
 from bench._procs import PIDS_ENV, kill_pid
 from bench._table import render
 from bench._workloads import (
@@ -118,8 +118,12 @@ async def main_workloads(transport: str, only: set[str], p: dict[str, Any], tmp:
                          out: Output) -> None:
     """A, B+D, C, durability on one daemon + worker (fresh data directory)."""
     data = tmp / f"{transport}-main"
-    setup_cm = (_setups.embedded(data) if transport == "embedded"
-                else _setups.network(transport, data, tmp, daemon_args=p["daemon_args"]))
+    endpoint = p.get("otlp_endpoint")
+    if transport == "embedded":
+        setup_cm = _setups.embedded(data, otlp_endpoint=endpoint)
+    else:
+        extra = [] if endpoint is None else ["--otlp-endpoint", endpoint]
+        setup_cm = _setups.network(transport, data, tmp, daemon_args=[*p["daemon_args"], *extra])
     async with setup_cm as s:
         log(f"{transport}: warm-up (3 x seq(1), 2 x seq(20))")
         await warm_up(s)
@@ -132,6 +136,8 @@ async def main_workloads(transport: str, only: set[str], p: dict[str, Any], tmp:
         if "B" in only or "D" in only:
             log(f"{transport}: B ({p['b_wf']} x seq(3)) with D sampling RSS")
             b, d = await workload_b(s, p["b_wf"], 3)
+            if endpoint is not None:
+                b["otlp_export"] = await s.export_stats()  # dropped: spans lost to a full queue
             if "B" in only:
                 out.emit(transport, "B", b)
             if "D" in only:
@@ -226,7 +232,8 @@ def interruptible() -> None:
 def child_main(args: argparse.Namespace, only: set[str]) -> None:
     """One section in this (fresh) process: its JSON lines on stdout, exit 1 on failure."""
     interruptible()
-    p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg)
+    p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg,
+             otlp_endpoint=args.otlp_endpoint)
     out = Output(None, args.quick, args.daemon_arg, args.embedded_gc)
     if args.transport == "embedded" and args.embedded_gc == "tuned":
         stepd.tune_gc()  # what an embedding application may choose to do (docs/serve.md)
@@ -249,11 +256,13 @@ SECTION_TIMEOUT_S = {"main": 600, "E": 900, "F": 400}
 
 
 def run_child(section: str, transport: str, args: argparse.Namespace, only: set[str],
-              tmp: Path, out: Output, tag: dict[str, Any] | None = None) -> list[str]:
-    """Run one section in a child process; its rows go to `out` (with `tag` added);
-    returns its failures."""
+              tmp: Path, out: Output, tag: dict[str, Any] | None = None,
+              extra: Sequence[str] = ()) -> list[str]:
+    """Run one section in a child process (``extra``: more of its arguments); its rows go
+    to `out` (with `tag` added); returns its failures."""
     cmd = [sys.executable, "-m", "bench", "--child", section, "--transport", transport,
-           "--only", ",".join(sorted(only)), "--tmp", str(tmp), "--f-workers", str(args.f_workers)]
+           "--only", ",".join(sorted(only)), "--tmp", str(tmp), "--f-workers", str(args.f_workers),
+           *extra]
     if args.quick:
         cmd.append("--quick")
     cmd += [f"--daemon-arg={a}" for a in args.daemon_arg]
@@ -383,6 +392,11 @@ def main() -> None:
     parser.add_argument("--embedded-gc", choices=["default", "tuned"], default="default",
                         help="embedded: leave the process's GC as it is (default, as stepd.embedded "
                              "does) or call stepd.tune_gc() first; recorded in the rows")
+    parser.add_argument("--otlp", action="store_true",
+                        help="run each A-D section twice, OpenTelemetry export off and on "
+                             "(to a local OTLP/HTTP sink, bench._otlp_sink), taking turns; "
+                             "rows carry \"otlp\": off|on; the table compares B")
+    parser.add_argument("--otlp-endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (data, daemon and worker logs)")
     args = parser.parse_args()
@@ -413,23 +427,35 @@ def main() -> None:
         out.emit(None, "machine", machine())
         sections = plan(transports, only, args.quick)
         parallel = [ts for ts in sections if args.quick and ts[1] == "F"]
-        if args.repeat > 1:
-            # The A-D section N times, the transports taking turns, then the rest once.
+        if args.repeat > 1 or args.otlp:
+            # The A-D section N times, the transports (and with --otlp, export off and on)
+            # taking turns, then the rest once.
             mains = [ts for ts in sections if ts[1] == "main"]
-            for rep in range(1, args.repeat + 1):
-                for transport, section in mains:
-                    log(f"repeat {rep}/{args.repeat}: {transport}")
-                    try:
-                        failures += run_child(section, transport, args, only, tmp, out,
-                                              {"repeat": rep})
-                    finally:
-                        reap_leftovers(tmp)
+            with _otlp.sink_for(args.otlp) as sink:
+                for rep in range(1, args.repeat + 1):
+                    for transport, section in mains:
+                        for variant, extra in _otlp.variants(sink):
+                            log(f"repeat {rep}/{args.repeat}: {transport}"
+                                + (f", export {variant}" if variant else ""))
+                            tag = {"repeat": rep, **({"otlp": variant} if variant else {})}
+                            try:
+                                failures += run_child(section, transport, args, only, tmp, out,
+                                                      tag, extra)
+                            finally:
+                                reap_leftovers(tmp)
+                if sink is not None:
+                    out.emit(None, "otlp_sink", {"spans": sink.span_count,
+                                                 "requests": sink.requests})
             for transport, _ in mains:
-                for workload in ("A", "B", "C", "D"):
-                    reps = [r for r in out.rows if r.get("transport") == transport
-                            and r.get("workload") == workload and "repeat" in r]
-                    if reps:
-                        out.emit(transport, workload, median_of_repeats(reps))
+                for variant, _extra in _otlp.variants(sink):
+                    for workload in ("A", "B", "C", "D"):
+                        reps = [r for r in out.rows if r.get("transport") == transport
+                                and r.get("workload") == workload and "repeat" in r
+                                and r.get("otlp") == variant]
+                        if reps:
+                            row = median_of_repeats(reps)
+                            out.emit(transport, workload,
+                                     {**row, "otlp": variant} if variant else row)
             sections = [ts for ts in sections if ts[1] != "main"]
         for transport, section in [ts for ts in sections if ts not in parallel]:
             try:
@@ -459,7 +485,10 @@ def main() -> None:
                            "workloads": sorted(only), "failures": failures})
     out.close()
     print()
-    print(render(out.rows, quick=args.quick))
+    print(render([r for r in out.rows if r.get("otlp") != "on"], quick=args.quick))
+    if args.otlp:
+        print()
+        print(_otlp.table(out.rows))
     print(f"took {took:.1f} s" + (" (--quick)" if args.quick else ""))
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ import anyio.to_thread
 import httpx
 
 import stepd
+from bench import _otlp
 from bench._http import LeanHttp
 from bench._procs import start_daemon, start_workers
 from bench._workloads import B_CONCURRENCY, bodies, workflows
@@ -49,6 +51,8 @@ class Setup:
     start_raw: Callable[[str, str | None, Any, str], Awaitable[str]]
     """start(workflow, version, input, idempotency_key) -> run id, by the cheapest path
     (E's population: in process, or `bench._http.LeanHttp` rather than httpx)."""
+    export_stats: Callable[[], Awaitable[dict[str, int]]]
+    """The daemon's span export counts (``stepd_otel_export``), {} when export is off."""
 
 
 def _runs_actors(tree: dict[str, Any]) -> int:
@@ -92,10 +96,18 @@ async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool
         async def start_raw(workflow: str, version: str | None, input: Any, key: str) -> str:
             return (await client.start(workflow, input, version=version, idempotency_key=key)).run_id
 
+        async def export_stats() -> dict[str, int]:
+            trace = core.services.trace
+            return {} if trace is None else dataclasses.asdict(trace.statistics())
+
         pid = os.getpid()
-        setup = Setup("embedded", client, {"process": pid}, pid, commits,
+        pids = {"process": pid}
+        child = _otlp.export_child(pid)
+        if child is not None:
+            pids["otel_export"] = child
+        setup = Setup("embedded", client, pids, pid, commits,
                       "storage.statistics().commits", count, live_leases, active_run_actors,
-                      register, start_raw)
+                      register, start_raw, export_stats)
         async with anyio.create_task_group() as tg:
             w = None
             if worker:
@@ -162,13 +174,21 @@ async def network(transport: str, data: Path, log_dir: Path, *, concurrency: int
                 body["version"] = version
             return str((await lean.request("POST", "/v1/api/runs", body))["run_id"])
 
+        async def export_stats() -> dict[str, int]:
+            prefix = 'stepd_otel_export{what="'
+            return {k[len(prefix):-2]: int(v) for k, v in (await metrics()).items()
+                    if k.startswith(prefix)}
+
         pids = {"daemon": daemon.pid}
         for i, child in enumerate(worker_children):
             pids["worker" + (f"-{i + 1}" if workers > 1 else "")] = child.pid
         pids["client"] = os.getpid()
+        child = _otlp.export_child(daemon.pid)
+        if child is not None:
+            pids["otel_export"] = child
         yield Setup(transport, client, pids, daemon.pid, commits,
                     "GET /metrics stepd_commit_batch_size_count", count, live_leases,
-                    active_run_actors, register, start_raw)
+                    active_run_actors, register, start_raw, export_stats)
         for child in (*worker_children, daemon):
             if not child.alive():
                 raise SystemExit(f"bench: {child.name} (pid {child.pid}) died during the run:\n"

@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(
         ("AlreadyApplied", "BudgetExceeded", "Cancelled", "Conflict", "Fenced", "Forbidden",
-         "Invalid", "NotFound", "NotStarted", "Retryable", "RunCancelled", "RunFailed",
+         "Invalid", "NotFound", "NotRetryable", "NotStarted", "Retryable", "RunCancelled", "RunFailed",
          "RunTerminal", "RunTimedOut", "ServerError", "StepdError", "StepFailure", "TooLarge",
          "Unauthorized", "Unavailable", "Unprocessable"),
         "stepd._errors"),
@@ -63,6 +63,7 @@ __all__ = [
     "Forbidden",
     "Invalid",
     "NotFound",
+    "NotRetryable",
     "NotStarted",
     "Retry",
     "Retryable",
@@ -138,6 +139,7 @@ if TYPE_CHECKING:
         Forbidden,
         Invalid,
         NotFound,
+        NotRetryable,
         NotStarted,
         Retryable,
         RunCancelled,

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from stepd import _otel_context
 from stepd._errors import Invalid
 from stepd.actors import Waiter
 from stepd.context import StepContext, _current_ctx
@@ -81,8 +82,9 @@ class Active:
     """
 
     __slots__ = ("beat_scope", "beating", "body", "born_at", "born_tick", "ctx", "finished",
-                 "in_body", "lease", "outcome", "poke", "poke_pending", "reported", "scope",
-                 "started_done", "started_on", "started_state")
+                 "in_body", "lease", "local_async", "local_ctx", "local_records", "outcome", "poke",
+                 "poke_pending", "reported", "scope", "started_done", "started_on",
+                 "started_state")
 
     def __init__(self, lease: dict[str, Any], ctx: StepContext, body: Body, scope: Any) -> None:
         self.lease = lease
@@ -94,7 +96,9 @@ class Active:
         self.outcome: tuple[Any, ...] | None = None
         self.finished = False  # reported (or dropped) and released
         # `started`: 0 not sent (or sent by a task, on an unordered channel),
-        # 1 sent on the ordered channel `started_on` (answer pending), 2 answered.
+        # 1 sent on the ordered channel `started_on` (answer pending), 2 answered,
+        # 3 held back (at_least_once): folded into `complete`/`fail` if the body
+        # ends before its first heartbeat is due, else sent then (`_heartbeats`).
         self.started_state = 0
         self.started_on: Any = None
         self.started_done: Waiter | None = None  # made by whoever waits for state 2
@@ -105,6 +109,11 @@ class Active:
         self.beat_scope: anyio.CancelScope | None = None
         self.poke: Waiter | None = None
         self.poke_pending = False
+        # Local steps (`stepd._local`): the records so far, sent with `complete`,
+        # and the context of the local body running now (cancelled with this one).
+        self.local_records: list[dict[str, Any]] | None = None
+        self.local_ctx: StepContext | None = None
+        self.local_async = False  # that local body is async: a cancel interrupts it
 
 
 class Runner:
@@ -123,7 +132,10 @@ class Runner:
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:
     token = _current_ctx.set(ctx)
+    otel = None if ctx._otel is None else _otel_context.attach(ctx._otel)
     try:
         return fn(*args)
     finally:
+        if otel is not None:
+            _otel_context.detach(otel)
         _current_ctx.reset(token)

@@ -175,6 +175,8 @@ class LeaseCalls:
             return  # fenced, run over, or unknown: post nothing more
         if outcome[0] == "ok":
             op, body = "complete", ctx._completion(outcome[1])
+            if active.local_records:
+                body["local_steps"] = active.local_records
         elif reason == "shutdown":
             op, body = "fail", {"error": {
                 "class": "retryable",
@@ -190,11 +192,26 @@ class LeaseCalls:
     async def _final(self, active: Active | None, lease_id: str, run_id: str, op: str,
                      body: dict[str, Any]) -> None:
         """Send ``complete``/``fail`` and answer the outcome by PROTOCOL.md's table."""
+        after = active
+        if active is not None and active.started_state == 3:
+            active.started_state = 2  # `started` goes in this call
+            body = {**body, "started": True}
+            after = None
         try:
             try:
                 await self._call(op, lease_id, body, give_up_s=max(30.0, 2 * self._lease_ttl_s),
-                                 after=active)
+                                 after=after)
             except (Invalid, Unencodable) as exc:
+                if op == "complete" and "local_steps" in body:
+                    # Refused local records (the gate, or records the run does not
+                    # take): complete the parent alone; the daemon runs the local
+                    # steps as ordinary leases (local bodies are idempotent).
+                    log.warning("worker %s: local steps of lease %s refused: %s; completing "
+                                "without them", self.name, lease_id, exc)
+                    body = {k: v for k, v in body.items() if k != "local_steps"}
+                    await self._call(op, lease_id, body,
+                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                    return
                 # The daemon refused what the body produced (output not JSON, a
                 # state patch that is not an object, an unknown error class...):
                 # the attempt fails, naming why.

@@ -10,7 +10,7 @@ its own; a daemon that no longer knows the id gets a fresh registration.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -18,6 +18,7 @@ from stepd._bodies import Definition
 from stepd._calls import backoff
 from stepd._errors import NotFound, StepdError, Unavailable
 from stepd._loop import on_trio
+from stepd._manifest import capability_declaration
 from stepd.actors import Waiter
 from stepd.channels import Channel, Lost, Refused
 
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepd.worker")
 
-PROTOCOL_VERSION: Final = "1.0"
-
-
 class Connections:
     """The connection loop; it reads the worker's state below."""
 
@@ -44,6 +42,8 @@ class Connections:
     concurrency: int
     build_id: str | None
     worker_id: str | None
+    protocol_version: str
+    local_steps: bool
     transport_choice: str
     stopping: bool
     _daemon: Embedded | None
@@ -54,7 +54,7 @@ class Connections:
     _task_status: Any
 
     if TYPE_CHECKING:
-        def _sessions_register(self, body: dict[str, Any]) -> None: ...  # `_work_sessions`
+        def _sessions_manifest(self) -> dict[str, Any] | None: ...  # `_work_sessions`
 
     def _init_connections(self) -> None:
         self._channel: Channel | None = None
@@ -68,6 +68,7 @@ class Connections:
         self._heartbeat_s = 10.0
         self._lease_ttl_s = 30.0
         self._max_request_ms = 20_000
+        self._fold_started = False  # the daemon said complete/fail may carry `started`
 
     def _kind(self) -> str:
         if self._daemon is not None:
@@ -140,15 +141,16 @@ class Connections:
     def _register_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "name": self.name,
-            "protocol_version": PROTOCOL_VERSION,
+            "protocol_version": self.protocol_version,
             "concurrency": self.concurrency,
             "definitions": [d.wire for d in self._defs.values()],
         }
+        body.update(capability_declaration(self.protocol_version, local_steps=self.local_steps,
+                                           sessions=self._sessions_manifest()))
         if self.build_id is not None:
             body["build_id"] = self.build_id
         if self.worker_id is not None:
             body["worker_id"] = self.worker_id
-        self._sessions_register(body)
         return body
 
     async def _serve_channel(self, channel: Channel) -> None:
@@ -178,6 +180,7 @@ class Connections:
         self._heartbeat_s = max(0.001, int(answer.get("heartbeat_ms", 10_000)) / 1000)
         self._lease_ttl_s = max(0.001, int(answer.get("lease_ttl_ms", 30_000)) / 1000)
         self._max_request_ms = int(answer.get("max_request_ms", 30_000))
+        self._fold_started = answer.get("fold_started") is True
         for entry in answer.get("definitions") or ():
             held = self._defs.get((entry.get("name"), entry.get("version")))
             theirs = entry.get("definition_hash")

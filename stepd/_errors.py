@@ -11,6 +11,7 @@ plus what a client or a body needs::
     +-- Conflict             409, by ``reason``:
     |   +-- AlreadyApplied, Fenced, RunTerminal, NotStarted   (PROTOCOL.md's four)
     |   +-- BudgetExceeded   a signal refused: its transition would breach ``budget``
+    |   +-- NotRetryable     a retry refused: not failed, failed on ``budget``, past its deadline
     +-- TooLarge             413: a request body over the daemon's limit
     +-- Unprocessable        422: e.g. starting a workflow nobody registered
     +-- Unavailable          503: the daemon is shutting down; retried for idempotent calls
@@ -35,6 +36,7 @@ from stepd.sansio.errors import (
     Fenced,
     Invalid,
     NotFound,
+    NotRetryable,
     NotStarted,
     RunTerminal,
     StepdError,
@@ -52,6 +54,7 @@ __all__ = [
     "Forbidden",
     "Invalid",
     "NotFound",
+    "NotRetryable",
     "NotStarted",
     "Retryable",
     "RunCancelled",
@@ -271,6 +274,9 @@ def error_from_answer(status: int, body: Any) -> StepdError:
         reason = b.get("reason")
         if reason == "budget_exceeded":
             return BudgetExceeded(str(b.get("budget")), message)
+        if reason == "not_retryable":
+            budget = b.get("budget")
+            return NotRetryable(message, budget=budget if isinstance(budget, str) else None)
         cls = _CONFLICTS.get(reason) if isinstance(reason, str) else None
         if cls is not None:
             return cls(message)

@@ -86,6 +86,9 @@ class Heartbeats:
             for active in list(self._active.values()):
                 if active.in_body and not active.beating and tick - active.born_tick >= 2 \
                         and self._tg is not None:
+                    if active.started_state == 3:  # held back this long: send it now
+                        active.started_state = 0
+                        self._started_soon(active)
                     active.beating = True
                     beats = active.beat_scope = anyio.CancelScope()
                     self._tg.start_soon(self._heartbeats, active, beats,
@@ -139,3 +142,5 @@ class Heartbeats:
         def _cancel_active(self, active: Active, reason: str) -> None: ...
 
         def _run_over(self, run_id: str) -> None: ...
+
+        def _started_soon(self, active: Active) -> None: ...

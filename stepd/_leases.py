@@ -42,6 +42,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
+from stepd import _otel_context
 from stepd._bodies import Active, Body, Definition, Runner, call_in_thread
 from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
@@ -94,6 +95,7 @@ class LeaseProtocol(LeaseCalls):
     _fatal: list[BaseException]
     _threads: anyio.CapacityLimiter | None
     _lease_ttl_s: float
+    _fold_started: bool
     _token: Any
     _loop_thread: int | None
     grace: float
@@ -108,6 +110,7 @@ class LeaseProtocol(LeaseCalls):
         def _body_ends(self, active: Active) -> None: ...
 
         async def _enter_session(self, lease: dict[str, Any]) -> tuple[Any, ...] | None: ...
+        async def _run_local(self, active: Active, parent_output: Any) -> None: ...
 
     # ------------------------------------------------------------------ leases in
 
@@ -141,12 +144,17 @@ class LeaseProtocol(LeaseCalls):
 
     def _cancel_active(self, active: Active, reason: str) -> None:
         ctx = active.ctx
+        local = active.local_ctx
+        if local is not None:
+            local._cancel(reason)
         if ctx._cancel(reason):
             log.info("worker %s: cancelling %s/%s (lease %s): %s", self.name, ctx.run_id,
                      ctx.step_id, ctx.lease_id, reason)
             # A sync body keeps its slot until its thread returns: only async ones are
             # interrupted (the grace period's end interrupts both).
-            if active.in_body and active.body.is_async:
+            # A local body running after the parent's (`stepd._local`) is judged by its own.
+            running_async = active.local_async if local is not None else active.body.is_async
+            if active.in_body and running_async:
                 active.scope.cancel()
 
     def _cancel_body(self, ctx: StepContext) -> None:
@@ -275,6 +283,11 @@ class LeaseProtocol(LeaseCalls):
         if lease.get("delivery") == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
             await self._started(active)
+        elif self._fold_started:
+            # Held back: most bodies end before their first heartbeat is due, and
+            # then `started` rides in their `complete` (docs/leases.md "A folded
+            # started"); a longer body sends it with that heartbeat (`_heartbeats`).
+            active.started_state = 3
         else:
             self._started_soon(active)  # the body starts at once; `started` goes out beside it
         outcome: tuple[Any, ...] = _CANCELLED
@@ -283,6 +296,12 @@ class LeaseProtocol(LeaseCalls):
             active.in_body = True
             try:
                 outcome = await self._invoke(active, body)
+                if outcome[0] == "ok" and lease.get("local_steps"):
+                    # Still "in body": the parent lease keeps heartbeating, and a
+                    # cancel (grace end) reports the parent's output with the
+                    # local steps finished so far (`_runner`'s `active.outcome`).
+                    active.outcome = outcome
+                    await self._run_local(active, outcome[1])
             finally:
                 active.in_body = False
                 if active.beat_scope is not None:
@@ -380,6 +399,8 @@ class LeaseProtocol(LeaseCalls):
             args = (ctx, lease.get("input"))
         else:
             args = (ctx, lease.get("input"), lease.get("steps") or {})
+        # The daemon's trace, continued here when the application uses OpenTelemetry.
+        ctx._otel = _otel_context.parent_for(lease.get("trace_id"), lease.get("span_id"))
         if "session" in lease:  # a worker session's step: its holder restores resources first
             refused = await self._enter_session(lease)
             if refused is not None:
@@ -387,9 +408,12 @@ class LeaseProtocol(LeaseCalls):
         try:
             if body.is_async:
                 token = _current_ctx.set(ctx)
+                otel = None if ctx._otel is None else _otel_context.attach(ctx._otel)
                 try:
                     return ("ok", await body.fn(*args))
                 finally:
+                    if otel is not None:
+                        _otel_context.detach(otel)
                     _current_ctx.reset(token)
             value = await anyio.to_thread.run_sync(
                 call_in_thread, body.fn, args, ctx, limiter=self._threads,

@@ -96,6 +96,8 @@ class RunStatus:
         created_at, updated_at, deadline_at: times (UTC), deadline_at None without one.
         parent_run_id: the run that started this one (``start_workflows``), or None.
         raw: the JSON the daemon answered, whole.
+        forked_from: ``{"run_id", "step_id"}`` when this run is a fork, else None.
+        forks: the runs forked from this one, ``({"run_id", "step_id"}, ...)``.
     """
 
     run_id: str
@@ -118,6 +120,8 @@ class RunStatus:
     deadline_at: datetime.datetime | None
     parent_run_id: str | None
     raw: Mapping[str, Any] = field(repr=False, compare=False)
+    forked_from: Mapping[str, Any] | None = None
+    forks: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def done(self) -> bool:
@@ -147,6 +151,9 @@ class RunStatus:
             deadline_at=_time(raw.get("deadline_at")),
             parent_run_id=raw.get("parent_run_id"),
             raw=MappingProxyType(raw),
+            forked_from=(_frozen(raw["forked_from"]) if isinstance(raw.get("forked_from"), dict)
+                         else None),
+            forks=tuple(_frozen(f) for f in raw.get("forks") or () if isinstance(f, dict)),
         )
 
 

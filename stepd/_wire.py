@@ -102,8 +102,23 @@ def signal(run_id: str, name: str, payload: Any) -> Call:
                 body={"name": name, "payload": payload})
 
 
-def cancel(run_id: str) -> Call:
-    return Call("cancel", "POST", f"/v1/api/runs/{_seg(run_id)}/cancel", target=run_id, body={})
+def cancel(run_id: str, reason: str | None = None) -> Call:
+    body = {} if reason is None else {"reason": reason}
+    return Call("cancel", "POST", f"/v1/api/runs/{_seg(run_id)}/cancel", target=run_id, body=body)
+
+
+def retry(run_id: str) -> Call:
+    # Not retried: a retry whose answer was lost may have resumed the run already.
+    return Call("retry", "POST", f"/v1/api/runs/{_seg(run_id)}/retry", target=run_id, body={})
+
+
+def fork(run_id: str, from_step: str, idempotency_key: str | None) -> Call:
+    body: dict[str, Any] = {"from_step": from_step}
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
+    # With a key, sending again returns the same fork: safe to retry.
+    return Call("fork", "POST", f"/v1/api/runs/{_seg(run_id)}/fork", target=run_id, body=body,
+                idempotent=idempotency_key is not None)
 
 
 def list_runs(workflow: str | None, status: str | None, limit: int, cursor: str | None) -> Call:

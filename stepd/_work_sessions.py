@@ -35,8 +35,6 @@ __all__ = ["SessionAcquired", "WorkSessions"]
 
 log = logging.getLogger("stepd.worker")
 
-#: The protocol version a worker that declares sessions speaks (AFFINITY.md).
-SESSIONS_PROTOCOL: Final = "1.20"
 CLOSE_TIMEOUT_S: Final = 5.0
 
 
@@ -102,18 +100,12 @@ class WorkSessions:
         """Session id -> generation, for the sessions this worker holds now."""
         return {sid: h.generation for sid, h in self._held_sessions.items()}
 
-    def _sessions_register(self, body: dict[str, Any]) -> None:
-        """Declare the capability and its manifest in the register body."""
+    def _sessions_manifest(self) -> dict[str, Any] | None:
+        """The details of the register manifest's ``sessions`` entry (`stepd._manifest`),
+        or None: this worker holds no sessions and declares them rejected."""
         if self.max_sessions <= 0:
-            return
-        body["protocol_version"] = SESSIONS_PROTOCOL
-        body["capabilities"] = ["sessions"]
-        body["manifest"] = {
-            "local_steps": {"status": "rejected"},
-            "sessions": {"status": "supported", "resources": dict(self.resources),
-                         "max_sessions": self.max_sessions},
-            "sticky": {"status": "rejected"},
-        }
+            return None
+        return {"resources": dict(self.resources), "max_sessions": self.max_sessions}
 
     async def _enter_session(self, lease: dict[str, Any]) -> tuple[Any, ...] | None:
         """Before a session step's body: run the hook once per acquisition. Returns None

@@ -50,8 +50,14 @@ class AsyncRunHandle(Handle):
     async def signal(self, name: str, payload: Any = None) -> None:
         await self._client.signal(self.run_id, name, payload)
 
-    async def cancel(self) -> None:
-        await self._client.cancel(self.run_id)
+    async def cancel(self, reason: str | None = None) -> None:
+        await self._client.cancel(self.run_id, reason)
+
+    async def retry(self) -> dict[str, Any]:
+        return await self._client.retry(self.run_id)
+
+    async def fork(self, from_step: str, *, idempotency_key: str | None = None) -> AsyncRunHandle:
+        return await self._client.fork(self.run_id, from_step, idempotency_key=idempotency_key)
 
     async def journal(self) -> list[dict[str, Any]]:
         return await self._client.journal(self.run_id)
@@ -142,11 +148,11 @@ class AsyncClient:
             if deadline is not None and current_time() >= deadline:
                 raise TimeoutError(f"run {run_id} is still {answer['status']} after {timeout} s")
 
-    async def journal(self, run: Handle | str) -> list[dict[str, Any]]:
+    async def journal(self, run: Handle | str, *, after_seq: int = 0) -> list[dict[str, Any]]:
         """`Client.journal`."""
         run_id = run_id_of(run)
         events: list[dict[str, Any]] = []
-        after = 0
+        after = after_seq
         while True:
             answer = await self._backend.send(_wire.journal(run_id, after, _wire.JOURNAL_PAGE))
             page = answer["events"]
@@ -164,9 +170,19 @@ class AsyncClient:
         """`Client.signal`."""
         await self._backend.send(_wire.signal(run_id_of(run), name, payload))
 
-    async def cancel(self, run: Handle | str) -> None:
+    async def cancel(self, run: Handle | str, reason: str | None = None) -> None:
         """`Client.cancel`."""
-        await self._backend.send(_wire.cancel(run_id_of(run)))
+        await self._backend.send(_wire.cancel(run_id_of(run), reason))
+
+    async def retry(self, run: Handle | str) -> dict[str, Any]:
+        """`Client.retry`."""
+        return dict(await self._backend.send(_wire.retry(run_id_of(run))))
+
+    async def fork(self, run: Handle | str, from_step: str, *,
+                   idempotency_key: str | None = None) -> AsyncRunHandle:
+        """`Client.fork`."""
+        answer = await self._backend.send(_wire.fork(run_id_of(run), from_step, idempotency_key))
+        return AsyncRunHandle(self, answer["run_id"], bool(answer.get("created", True)))
 
     def list_runs(
         self,

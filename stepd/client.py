@@ -51,6 +51,7 @@ from stepd._client_common import (
 )
 from stepd._listing import AsyncRunList, RunList, check_size, list_query
 from stepd._runs import TERMINAL, RunStatus
+from stepd._schedules import ScheduleCalls
 from stepd.async_client import AsyncClient, AsyncRunHandle
 from stepd.channels.http import SyncHttp, base_url
 from stepd.channels.inprocess import SyncEmbedded
@@ -93,9 +94,17 @@ class RunHandle(Handle):
         """`Client.signal` to this run."""
         self._client.signal(self.run_id, name, payload)
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str | None = None) -> None:
         """`Client.cancel` of this run."""
-        self._client.cancel(self.run_id)
+        self._client.cancel(self.run_id, reason)
+
+    def retry(self) -> dict[str, Any]:
+        """`Client.retry` of this run."""
+        return self._client.retry(self.run_id)
+
+    def fork(self, from_step: str, *, idempotency_key: str | None = None) -> RunHandle:
+        """`Client.fork` of this run."""
+        return self._client.fork(self.run_id, from_step, idempotency_key=idempotency_key)
 
     def journal(self) -> list[dict[str, Any]]:
         """`Client.journal` of this run."""
@@ -110,7 +119,7 @@ class RunHandle(Handle):
 # --------------------------------------------------------------------------- the client
 
 
-class Client:
+class Client(ScheduleCalls):
     """A blocking client of a stepd daemon.
 
     Args:
@@ -238,15 +247,15 @@ class Client:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"run {run_id} is still {answer['status']} after {timeout} s")
 
-    def journal(self, run: RunHandle | str) -> list[dict[str, Any]]:
-        """Every journal event of the run, in order (fetched in pages).
+    def journal(self, run: RunHandle | str, *, after_seq: int = 0) -> list[dict[str, Any]]:
+        """Every journal event of the run after ``after_seq``, in order (fetched in pages).
 
         Raises:
             NotFound: no such run.
         """
         run_id = run_id_of(run)
         events: list[dict[str, Any]] = []
-        after = 0
+        after = after_seq
         while True:
             page = self._backend.send(_wire.journal(run_id, after, _wire.JOURNAL_PAGE))["events"]
             events.extend(page)
@@ -274,14 +283,61 @@ class Client:
         """
         self._backend.send(_wire.signal(run_id_of(run), name, payload))
 
-    def cancel(self, run: RunHandle | str) -> None:
+    def cancel(self, run: RunHandle | str, reason: str | None = None) -> None:
         """Cancel the run; its running steps' leases end with ``run_terminal``.
+
+        Args:
+            run: the run.
+            reason: why (at most 1000 characters): the run's ``error.message``
+                and its ``run_cancelled`` journal entry.
 
         Raises:
             RunTerminal: the run is over already.
             NotFound: no such run.
+            Invalid: a blank or too long reason (``field`` ``reason``).
         """
-        self._backend.send(_wire.cancel(run_id_of(run)))
+        self._backend.send(_wire.cancel(run_id_of(run), reason))
+
+    def retry(self, run: RunHandle | str) -> dict[str, Any]:
+        """Resume a failed run at the step it failed on, with a fresh retry budget.
+
+        Not retried on a lost answer (the run may have resumed already).
+
+        Returns:
+            ``{"run_id", "status", "step_id"}``: the status right after (``failed``
+            again if the step failed at once) and the step entered again.
+
+        Raises:
+            NotRetryable: the run is not failed, failed on a budget (``budget``),
+                or its deadline has passed.
+            NotFound: no such run.
+        """
+        return dict(self._backend.send(_wire.retry(run_id_of(run))))
+
+    def fork(self, run: RunHandle | str, from_step: str, *,
+             idempotency_key: str | None = None) -> RunHandle:
+        """Start a new run from the last completion of ``from_step`` in ``run``.
+
+        The new run keeps the journal up to there, and the state, step outputs
+        and budget usage as they were, then goes on with the next step. Its
+        status links back (``forked_from``), the source's lists it (``forks``).
+
+        Args:
+            run: the run to fork.
+            from_step: a step of the run that has completed.
+            idempotency_key: a key used before returns that fork (``created`` False).
+
+        Returns:
+            The new run's `RunHandle`.
+
+        Raises:
+            Invalid: ``from_step`` is not a completed step of the run (``field``
+                ``from_step``).
+            NotFound: no such run.
+            Unprocessable: the run's journal is from before forks were possible.
+        """
+        answer = self._backend.send(_wire.fork(run_id_of(run), from_step, idempotency_key))
+        return RunHandle(self, answer["run_id"], bool(answer.get("created", True)))
 
     def list_runs(
         self,

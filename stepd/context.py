@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
+from stepd import _otel_context
 from stepd._errors import Cancelled
 
 __all__ = ["BodyScope", "Span", "StepContext", "current_context"]
@@ -218,7 +219,8 @@ class StepContext:
 
     __slots__ = ("__dict__", "_cancel_event", "_cancel_reason", "_cancel_scope", "_host",
                  "_lease", "_notify", "_patch", "_progress", "_progress_set", "_self_cancelled",
-                 "_spans", "_state", "_state_view", "_usage", "lease_id", "run_id", "step_id")
+                 "_otel", "_spans", "_state", "_state_view", "_usage", "lease_id", "run_id",
+                 "step_id")
 
     def __init__(self, lease: dict[str, Any], *, notify_heartbeat: Callable[[], None] | None = None
                  ) -> None:
@@ -239,6 +241,8 @@ class StepContext:
         self._cancel_scope: BodyScope | None = None
         self._cancel_reason: str | None = None
         self._self_cancelled = False
+        # The OpenTelemetry parent of the body (`stepd._otel_context`), or None.
+        self._otel: Any = None
 
     def __repr__(self) -> str:
         item = "" if self.item_index is None else f"[{self.item_index}]"
@@ -359,6 +363,9 @@ class StepContext:
                 self._spans = []
             self._spans.append(span)
         token = _current_span.set(span)
+        # The application's OpenTelemetry spans inside this block nest under it.
+        otel = (None if self._otel is None else
+                _otel_context.attach(_otel_context.parent_for(self.trace_id, span.span_id)))
         try:
             yield span
         except BaseException as exc:
@@ -366,6 +373,8 @@ class StepContext:
             raise
         finally:
             span.end_ms = _now_ms()
+            if otel is not None:
+                _otel_context.detach(otel)
             _current_span.reset(token)
 
     def set_usage(self, *, model: str | None = None, input_tokens: int = 0,
@@ -402,6 +411,11 @@ class StepContext:
         Never blocks and never raises: calls are coalesced (at most one
         heartbeat per throttle interval, the last progress wins). Safe from any
         thread. The worker heartbeats every ``heartbeat_ms`` anyway.
+
+        In a local step (``.then(body, local=True)``, docs/affinity.md) it sends
+        nothing (the parent lease is renewed on its own): it keeps the progress
+        for the step's record and raises `stepd.Cancelled` once the step must
+        stop (its timeout, the parent lease lost, shutdown).
         """
         if progress is not None:
             self._progress = progress

@@ -54,6 +54,8 @@ import uvicorn
 
 from stepd.actors.daemon import Daemon, DaemonConfig
 from stepd.gc_policy import tune_gc
+from stepd.otel import open_export
+from stepd.sansio.durations import parse_duration
 from stepd.sansio.errors import Invalid
 from stepd.sansio.pricing import PriceBook
 from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH
@@ -100,6 +102,12 @@ class ServeConfig:
         max_child_depth: how deep child runs may nest (`start_workflows`).
         worker_expiry_ms: forget a worker with no connection, claim or live
             lease for this long (0: never).
+        otlp_endpoint: export runs, step attempts and body spans over OTLP/HTTP
+            to this collector (docs/otel.md; needs ``stepd[otel]``), or None.
+        retention: delete finished runs this long after they ended (a duration
+            such as ``30d``, or ms; None or ``0``: keep them; docs/storage.md "Retention").
+        idempotency_retention: keep a pruned run's idempotency key this long
+            after it was taken (default: as ``retention``).
         unsafe_no_sync: commit without fsync. Loses acknowledged work on a
             power cut; it exists so the power-loss test has a control that can
             fail (tests/campaign), never for production.
@@ -132,6 +140,9 @@ class ServeConfig:
     unsafe_no_sync: bool = False
     max_child_depth: int = DEFAULT_MAX_CHILD_DEPTH
     worker_expiry_ms: int = 600_000
+    otlp_endpoint: str | None = None
+    retention: str | int | None = None
+    idempotency_retention: str | int | None = None
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -156,9 +167,24 @@ class ServeConfig:
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
             worker_expiry_ms=self.worker_expiry_ms,
+            retention_ms=_duration(self.retention, "retention"),
+            idempotency_retention_ms=_duration(self.idempotency_retention, "idempotency_retention"),
         )
         config.check()
         return config
+
+
+def _duration(value: str | int | None, field: str) -> int:
+    """A retention flag as ms (``30d``, ``12h``, or ms); None: 0 (off).
+
+    Raises:
+        Invalid: not a duration (naming the flag).
+    """
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return parse_duration(value, field=field, allow_zero=True)
 
 
 class _Server(uvicorn.Server):
@@ -275,7 +301,8 @@ class Server:
         Path(config.data).mkdir(parents=True, exist_ok=True)
         noise = _HandshakeNoise()
         logging.getLogger("uvicorn.error").addFilter(noise)
-        async with Daemon.open(config.data, config=daemon_config) as daemon:
+        async with (open_export(config.otlp_endpoint) as trace,
+                    Daemon.open(config.data, config=daemon_config, trace=trace) as daemon):
             self.daemon = daemon
             protocol = Protocol(daemon, keyring=keyring,
                                 max_body_bytes=config.max_body_bytes)

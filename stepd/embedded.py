@@ -86,6 +86,7 @@ class Embedded:
         prices: Any = None,
         audit: bool = False,
         backend: str = "asyncio",
+        otlp_endpoint: str | None = None,
     ) -> None:
         self.path = Path(path)
         self._settings = {
@@ -97,6 +98,7 @@ class Embedded:
         self._prices = prices
         self._audit = audit
         self._backend = backend
+        self._otlp_endpoint = otlp_endpoint
         self._daemon: Daemon | None = None
         self._protocol: Protocol | None = None
         self._inprocess: InProcess | None = None
@@ -192,6 +194,7 @@ class Embedded:
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Embedded]:
         from stepd.actors.daemon import Daemon, DaemonConfig
+        from stepd.otel import open_export
         from stepd.sansio.pricing import PriceBook
         from stepd.transport.auth import KeyRing
         from stepd.transport.inprocess import InProcess
@@ -205,7 +208,8 @@ class Embedded:
             settings["prices"] = prices
         config = DaemonConfig(**settings)
         await anyio.to_thread.run_sync(lambda: self.path.mkdir(parents=True, exist_ok=True))
-        async with Daemon.open(str(self.path), config=config) as daemon:
+        async with (open_export(self._otlp_endpoint) as trace,
+                    Daemon.open(str(self.path), config=config, trace=trace) as daemon):
             protocol = Protocol(daemon, keyring=KeyRing.from_config(), audited=self._audit)
             self._daemon, self._protocol = daemon, protocol
             self._inprocess = InProcess(protocol)
@@ -279,6 +283,7 @@ def embedded(
     prices: Any = None,
     audit: bool = False,
     backend: str = "asyncio",
+    otlp_endpoint: str | None = None,
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
@@ -298,14 +303,17 @@ def embedded(
             (off by default: every caller is this process).
         backend: the sync form's event loop, ``"asyncio"`` or ``"trio"`` (the
             async form runs on the caller's).
+        otlp_endpoint: export runs, step attempts and body spans over OTLP/HTTP
+            to this collector (docs/otel.md; needs ``pip install 'stepd[otel]'``).
 
     Returns:
         An `Embedded`, to open with ``with`` or ``async with``.
 
     Raises:
-        Invalid: a setting out of range (on entering).
+        Invalid: a setting out of range, or ``otlp_endpoint`` without the
+            OpenTelemetry packages (on entering).
         storage errors: the directory is in use or cannot be opened (on entering).
     """
     return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
                     recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
-                    prices=prices, audit=audit, backend=backend)
+                    prices=prices, audit=audit, backend=backend, otlp_endpoint=otlp_endpoint)

@@ -75,6 +75,8 @@ from stepd._connections import Connections
 from stepd._errors import Invalid
 from stepd._heartbeats import Heartbeats
 from stepd._leases import LeaseProtocol
+from stepd._local import LocalSteps
+from stepd._manifest import PROTOCOL_VERSION, check_protocol_version
 from stepd._serving import Serving
 from stepd._work_sessions import SessionAcquired, WorkSessions
 from stepd.actors import Waiter, current_time
@@ -112,7 +114,7 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions, LocalSteps):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -135,6 +137,13 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
             (docs/affinity.md "Worker sessions").
         on_session_acquired: called with a `SessionAcquired` before the first step
             of each session this worker acquires (also `Worker.on_session_acquired`).
+        local_steps: run a workflow's ``"local": true`` steps inside this worker,
+            right after the task step before them (AFFINITY.md "Local steps";
+            `stepd._local`). Off by default: local steps then come as ordinary
+            leases. Declared at register in the capability manifest.
+        protocol_version: the protocol version to register with (default: the
+            newest this SDK speaks, 1.20). Below 1.18 the worker declares no
+            capability, and ``local_steps`` and ``max_sessions`` must be off.
 
     Attributes:
         running: leases held now (bodies running, or being reported).
@@ -158,6 +167,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
         resources: Mapping[str, Any] | None = None,
         max_sessions: int = 0,
         on_session_acquired: Callable[[SessionAcquired], Any] | None = None,
+        local_steps: bool = False,
+        protocol_version: str = PROTOCOL_VERSION,
     ) -> None:
         from stepd.channels.http import base_url
         from stepd.client import AsyncClient, Client
@@ -186,6 +197,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
             raise Invalid(f"must be a Client, a URL or a stepd.embedded daemon, got {target!r}",
                           field="target")
         self.concurrency = concurrency
+        self.local_steps = bool(local_steps)
         self.name = name if name is not None else _default_name()
         self.build_id = build_id
         self.transport_choice = transport
@@ -221,6 +233,8 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions):
         self._init_connections()
         self._init_heartbeats()
         self._init_work_sessions(resources, max_sessions, on_session_acquired)
+        self.protocol_version = check_protocol_version(protocol_version, self.local_steps,
+                                                       sessions=self.max_sessions > 0)
 
     def __repr__(self) -> str:
         where = self.url or repr(self._daemon)

@@ -229,6 +229,8 @@ class Workflow:
         cost_units: int | None = None,
         next: str | None = None,
         session: str | None = None,
+        local: bool = False,
+        total_timeout: Duration | None = None,
     ) -> Workflow:
         """Add a task step: one body on one worker, with retries.
 
@@ -246,6 +248,10 @@ class Workflow:
             next: the step to go to after this one (a step id or ``"$end"``).
             session: a worker session declared with `session` (its steps all go
                 to the worker holding it; docs/affinity.md).
+            local: run this step inside the worker that ran the task step before
+                it, with no round trip (AFFINITY.md "Local steps"; only on a
+                worker started with ``local_steps=True``, else an ordinary lease).
+            total_timeout: a local step's limit over all its attempts.
 
         Raises:
             Invalid: a bad argument, a duplicate step id, or another callable
@@ -264,6 +270,9 @@ class Workflow:
         self._task_options(raw, retry, timeout, next, index)
         if session is not None:
             raw["session"] = session
+        if local or total_timeout is not None:
+            raw["local"] = local
+            raw["total_timeout_ms"] = self._duration(total_timeout, index, "total_timeout")
         return self._add(raw, body_name, fn)
 
     def for_each(

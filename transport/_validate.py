@@ -21,7 +21,9 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeGuard
 
+from stepd.sansio.capabilities import CAPABILITIES
 from stepd.sansio.errors import Invalid, NotFound, field_path
+from stepd.sansio.local_steps import parse_records
 
 NO_BODY: Final = object()
 """The ``body`` of a call that carried none (an empty HTTP body)."""
@@ -150,6 +152,7 @@ def copy_json(value: Any) -> Any:
 
 RUN_ID: Final = re.compile(r"r_[0-9A-Za-z][0-9A-Za-z._@-]*")
 LEASE_ID: Final = re.compile(r"l_[0-9A-Za-z]+")
+SCHEDULE_ID: Final = re.compile(r"s_[0-9A-Za-z]+")
 WORKER_ID: Final = re.compile(r"w_[0-9A-Za-z]+")
 PROTOCOL_VERSION: Final = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")
 HEX16: Final = re.compile(r"[0-9a-f]{16}")
@@ -160,13 +163,17 @@ RUN_STATUSES: Final = frozenset(
     {"running", "waiting", "sleeping", "completed", "failed", "cancelled", "timed_out"}
 )
 TERMINAL: Final = frozenset({"completed", "failed", "cancelled", "timed_out"})
-CAPABILITIES: Final = ("local_steps", "sessions", "sticky")
 
 _MISSING: Final = object()
 
 
 def is_run_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and 3 <= len(value) <= 512 and RUN_ID.fullmatch(value) is not None
+
+
+def is_schedule_id(value: object) -> TypeGuard[str]:
+    return (isinstance(value, str) and 3 <= len(value) <= 64
+            and SCHEDULE_ID.fullmatch(value) is not None)
 
 
 def is_lease_id(value: object) -> TypeGuard[str]:
@@ -435,39 +442,70 @@ def parse_heartbeat(body: Any) -> dict[str, Any]:
 
 
 def parse_complete(body: Any) -> dict[str, Any]:
-    """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``)."""
+    """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``,
+    and ``local_steps`` when given: checked here, gated by the lease actor)."""
     b = _body(body)
-    _closed(b, frozenset({"output", "state_patch", "usage", "spans"}), "")
+    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "started", "local_steps"}),
+            "")
     state_patch = b.get("state_patch")
     if state_patch is not None and not isinstance(state_patch, dict):
         raise Invalid("must be an object or null", field="state_patch")
     spans = b.get("spans", [])
     if not isinstance(spans, list):
         raise Invalid("must be an array", field="spans")
-    return {
+    out = {
         "output": b.get("output"),
         "state_patch": state_patch,
         "usage": _usage(b.get("usage"), "usage"),
         "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
     }
+    if _folded_started(b):
+        out["started"] = True
+    if b.get("local_steps") is not None:
+        parse_records(b["local_steps"])
+        out["local_steps"] = b["local_steps"]
+    return out
+
+
+def _folded_started(b: dict[str, Any]) -> bool:
+    """``"started": true`` on complete/fail: an at_least_once worker's `started`, folded in
+    (docs/leases.md "A folded started"). Ignored for at_most_once (``not_started`` holds)."""
+    started = b.get("started", False)
+    if not isinstance(started, bool):
+        raise Invalid("must be a boolean", field="started")
+    return started
 
 
 def parse_fail(body: Any) -> dict[str, Any]:
     """``FailRequest`` -> the engine's fail body (wire ``error.class`` is ``error_class``)."""
     b = _body(body)
-    _closed(b, frozenset({"error"}), "")
+    _closed(b, frozenset({"error", "started"}), "")
     error = _obj(_required(b, "error", ""), "error")
     _closed(error, frozenset({"class", "message"}), "error")
     error_class = check_name(_required(error, "class", "error"), "error.class")
     message = error.get("message", "")
     if not isinstance(message, str):
         raise Invalid("must be a string", field="error.message")
-    return {"error_class": error_class, "message": message}
+    out: dict[str, Any] = {"error_class": error_class, "message": message}
+    if _folded_started(b):
+        out["started"] = True
+    return out
 
 
 _START_KEYS: Final = frozenset(
     {"workflow", "version", "input", "correlation", "idempotency_key", "deadline_ms"}
 )
+
+
+def _idempotency_key(key: Any) -> str | None:
+    """An ``idempotency_key`` field: null, or 1 to 256 bytes of UTF-8."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise Invalid("must be a non-empty string or null", field="idempotency_key")
+    if len(key) > 256 or len(key.encode("utf-8", "surrogatepass")) > 256:
+        raise Invalid("must be at most 256 bytes of UTF-8", field="idempotency_key")
+    return key
 
 
 def parse_start_run(body: Any) -> dict[str, Any]:
@@ -476,12 +514,7 @@ def parse_start_run(body: Any) -> dict[str, Any]:
     _closed(b, _START_KEYS, "")
     workflow = check_name(_required(b, "workflow", ""), "workflow")
     input_ = _required(b, "input", "")
-    key = b.get("idempotency_key")
-    if key is not None:
-        if not isinstance(key, str) or not key:
-            raise Invalid("must be a non-empty string or null", field="idempotency_key")
-        if len(key) > 256 or len(key.encode("utf-8", "surrogatepass")) > 256:
-            raise Invalid("must be at most 256 bytes of UTF-8", field="idempotency_key")
+    key = _idempotency_key(b.get("idempotency_key"))
     deadline = b.get("deadline_ms")
     if deadline is not None:
         deadline = check_int(deadline, "deadline_ms", minimum=1)
@@ -502,10 +535,33 @@ def parse_signal(body: Any) -> dict[str, Any]:
     return {"name": check_name(_required(b, "name", ""), "name"), "payload": b.get("payload")}
 
 
+#: The longest cancel reason (characters): it is journaled and shown in the run's status.
+MAX_REASON_CHARS: Final = 1000
+
+
 def parse_cancel(body: Any) -> dict[str, Any]:
-    """``CancelRequest``: ``{}`` (or no body)."""
+    """``CancelRequest``: ``{"reason"?}`` (or no body)."""
+    b = _body_or_empty(body)
+    _closed(b, frozenset({"reason"}), "")
+    reason = b.get("reason")
+    if reason is not None and (not isinstance(reason, str) or not reason
+                               or len(reason) > MAX_REASON_CHARS):
+        raise Invalid(f"must be a non-empty string of at most {MAX_REASON_CHARS} characters, "
+                      "or null", field="reason")
+    return {"reason": reason}
+
+
+def parse_retry(body: Any) -> None:
+    """``RetryRequest``: ``{}`` (or no body)."""
     _closed(_body_or_empty(body), frozenset(), "")
-    return {}
+
+
+def parse_fork(body: Any) -> dict[str, Any]:
+    """``ForkRequest``: ``{"from_step", "idempotency_key"?}``."""
+    b = _body(body)
+    _closed(b, frozenset({"from_step", "idempotency_key"}), "")
+    return {"from_step": check_name(_required(b, "from_step", ""), "from_step"),
+            "idempotency_key": _idempotency_key(b.get("idempotency_key"))}
 
 
 def parse_kill(body: Any) -> str:
@@ -522,6 +578,23 @@ def parse_kill(body: Any) -> str:
 
 
 _QUERY_INT_MAX: Final = 10**18 - 1  # what `_DIGITS` reads: 18 digits at most
+
+
+def parse_prune(body: Any) -> dict[str, Any]:
+    """``PruneRequest`` -> ``before``, ``idempotency_keys_before`` (epoch ms) and ``limit``."""
+    b = _body(body)
+    _closed(b, frozenset({"before", "idempotency_keys_before", "limit"}), "")
+    if b.get("before") is None:
+        raise Invalid("is required: epoch milliseconds or an ISO-8601 timestamp", field="before")
+    before = query_time(b, "before")
+    keys = query_time(b, "idempotency_keys_before")
+    limit = query_int(b, "limit", 10_000, minimum=1, maximum=100_000)
+    return {"before": before, "idempotency_keys_before": keys, "limit": limit}
+
+
+def parse_schedule_action(body: Any) -> None:
+    """``ScheduleActionRequest`` (pause, resume): ``{}`` or no body."""
+    _closed(_body_or_empty(body), frozenset(), "")
 
 
 def query_int(query: Mapping[str, Any], key: str, default: int, *, minimum: int,

@@ -114,6 +114,9 @@ _STATIC_METHODS: Final[dict[str, dict[str, Handler]]] = {
         "/v1/api/actors/kill": {"POST": Operation.KILL},
         "/v1/api/definitions": {"GET": Operation.DEFINITIONS},
         "/v1/api/stats": {"GET": Operation.STATS},
+        "/v1/api/schedules": {"POST": Operation.CREATE_SCHEDULE,
+                              "GET": Operation.LIST_SCHEDULES},
+        "/v1/api/runs/prune": {"POST": Operation.PRUNE_RUNS},
         "/healthz": {"GET": HEALTHZ},
         "/metrics": {"GET": METRICS},
         "/openapi.json": {"GET": OPENAPI},
@@ -145,7 +148,18 @@ _RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
         ("result", "GET", Operation.RESULT),
         ("signal", "POST", Operation.SIGNAL),
         ("cancel", "POST", Operation.CANCEL),
+        ("retry", "POST", Operation.RETRY),
+        ("fork", "POST", Operation.FORK),
     )
+}
+
+
+_SCHEDULE_ROUTE: Final[tuple[str, dict[str, Handler]]] = (
+    "/v1/api/schedules/{schedule}",
+    {"GET": Operation.GET_SCHEDULE, "DELETE": Operation.DELETE_SCHEDULE})
+_SCHEDULE_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
+    name: (f"/v1/api/schedules/{{schedule}}/{name}", {"POST": _as_handler(op)})
+    for name, op in (("pause", Operation.PAUSE_SCHEDULE), ("resume", Operation.RESUME_SCHEDULE))
 }
 
 
@@ -181,6 +195,14 @@ def route(path: str) -> Route | None:
             if found is not None:
                 return found[0], found[1], parts[0]
         return None
+    if path.startswith("/v1/api/schedules/"):
+        parts = path[len("/v1/api/schedules/"):].split("/")
+        if not parts[0] or len(parts) > 2:
+            return None
+        if len(parts) == 1:
+            return _SCHEDULE_ROUTE[0], _SCHEDULE_ROUTE[1], parts[0]
+        found = _SCHEDULE_SUBROUTES.get(parts[1])
+        return None if found is None else (found[0], found[1], parts[0])
     if path.startswith("/v1/api/runs/"):
         parts = path[len("/v1/api/runs/"):].split("/")
         if not parts[0]:

@@ -146,6 +146,15 @@ class InProcess:
         return await self._call(Operation.CANCEL, target=run_id,
                                 body=NO_BODY if body is None else body)
 
+    async def retry(self, run_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/retry`` -> ``{"run_id", "status", "step_id"}``."""
+        return await self._call(Operation.RETRY, target=run_id,
+                                body=NO_BODY if body is None else body)
+
+    async def fork(self, run_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/runs/{run}/fork`` -> ``{"run_id", "created", "forked_from"}``."""
+        return await self._call(Operation.FORK, target=run_id, body=body)
+
     # -- operations ----------------------------------------------------------------------
 
     async def workers(self) -> dict[str, Any]:
@@ -173,3 +182,37 @@ class InProcess:
         """``GET /v1/api/stats`` -> ``{"runs_by_status", "workers", "live_leases"}``."""
         return await self._call(Operation.STATS)
 
+
+    # -- schedules, retention (docs/schedules.md, docs/storage.md "Retention") ---------------
+
+    async def create_schedule(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/schedules`` -> the schedule."""
+        return await self._call(Operation.CREATE_SCHEDULE, body=body)
+
+    async def list_schedules(self, **query: Any) -> dict[str, Any]:
+        """``GET /v1/api/schedules`` -> ``{"schedules", "next_cursor"}`` (``limit``, ``cursor``)."""
+        return await self._call(Operation.LIST_SCHEDULES, query=query)
+
+    async def get_schedule(self, schedule_id: str) -> dict[str, Any]:
+        """``GET /v1/api/schedules/{schedule}``."""
+        return await self._call(Operation.GET_SCHEDULE, target=schedule_id)
+
+    async def pause_schedule(self, schedule_id: str,
+                             body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/schedules/{schedule}/pause`` -> the schedule."""
+        return await self._call(Operation.PAUSE_SCHEDULE, target=schedule_id,
+                                body=NO_BODY if body is None else body)
+
+    async def resume_schedule(self, schedule_id: str,
+                              body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /v1/api/schedules/{schedule}/resume`` -> the schedule."""
+        return await self._call(Operation.RESUME_SCHEDULE, target=schedule_id,
+                                body=NO_BODY if body is None else body)
+
+    async def delete_schedule(self, schedule_id: str) -> dict[str, Any]:
+        """``DELETE /v1/api/schedules/{schedule}``."""
+        return await self._call(Operation.DELETE_SCHEDULE, target=schedule_id)
+
+    async def prune_runs(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/runs/prune`` -> ``{"deleted", "more"}``."""
+        return await self._call(Operation.PRUNE_RUNS, body=body)

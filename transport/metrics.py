@@ -17,6 +17,7 @@ could, rarely, lose an update; hand such values to the loop instead
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from bisect import bisect_left
@@ -565,3 +566,20 @@ def daemon_metrics(registry: Registry) -> DaemonMetrics:
             ("route", "status"),
         ),
     )
+
+
+def trace_export_metrics(registry: Registry, statistics: Callable[[], Any]) -> Gauge:
+    """Register ``stepd_otel_export{what=...}``: the span export's counts (docs/otel.md).
+
+    ``statistics`` returns the export's frozen record (`stepd.otel.ExportStats`):
+    spans exported and failed, writes queued and dropped, attempts forgotten.
+    Registered only when export is on.
+    """
+    return registry.gauge(
+        "stepd_otel_export",
+        "OpenTelemetry span export: spans exported and failed, run writes queued and dropped "
+        "(queue full), attempts forgotten.",
+        ("what",),
+        function=lambda: dataclasses.asdict(statistics()),
+    )
+

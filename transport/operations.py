@@ -29,10 +29,14 @@ from ._validate import (
     parse_claim,
     parse_complete,
     parse_fail,
+    parse_fork,
     parse_heartbeat,
     parse_kill,
+    parse_prune,
     parse_register,
     parse_session_call,
+    parse_retry,
+    parse_schedule_action,
     parse_signal,
     parse_start_run,
     parse_started,
@@ -65,6 +69,8 @@ class Operation(IdentityEnum):
     RESULT = "result"
     SIGNAL = "signal"
     CANCEL = "cancel"
+    RETRY = "retry"
+    FORK = "fork"
     LIST_WORKERS = "list_workers"
     AUDIT = "audit"
     ACTORS = "actors"
@@ -73,6 +79,13 @@ class Operation(IdentityEnum):
     STATS = "stats"
     SESSION_RENEW = "session_renew"
     SESSION_CLOSE = "session_close"
+    CREATE_SCHEDULE = "create_schedule"
+    LIST_SCHEDULES = "list_schedules"
+    GET_SCHEDULE = "get_schedule"
+    PAUSE_SCHEDULE = "pause_schedule"
+    RESUME_SCHEDULE = "resume_schedule"
+    DELETE_SCHEDULE = "delete_schedule"
+    PRUNE_RUNS = "prune_runs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +127,8 @@ class OperationSpec:
     Attributes:
         need: the scope group (`Need`).
         audit: the audit action, or None (worker calls are never audited).
-        target: which path id the operation takes: ``"run"``, ``"lease"``, ``"session"``
-            (a worker session) or None.
+        target: which path id the operation takes: ``"run"``, ``"lease"``,
+            ``"session"`` (a worker session), ``"schedule"`` or None.
         body: ``"none"``, ``"optional"`` (omitted means ``{}``) or ``"required"``.
         run: the handler.
         in_txn: its audit entry is written in the change's own transaction
@@ -241,9 +254,23 @@ async def _signal(p: Context, r: Request) -> Reply:
 
 
 async def _cancel(p: Context, r: Request) -> Reply:
-    parse_cancel(r.body)
-    await p.daemon.cancel(r.target, audit=r.audit)
+    args = parse_cancel(r.body)
+    await p.daemon.cancel(r.target, args["reason"], audit=r.audit)
     return Reply(200, {})
+
+
+async def _retry(p: Context, r: Request) -> Reply:
+    parse_retry(r.body)
+    return Reply(200, await p.daemon.retry(r.target, audit=r.audit))
+
+
+async def _fork(p: Context, r: Request) -> Reply:
+    args = parse_fork(r.body)
+    run_id, created = await p.daemon.fork(r.target, args["from_step"],
+                                          idempotency_key=args["idempotency_key"], audit=r.audit)
+    return Reply(201 if created else 200, {
+        "run_id": run_id, "created": created,
+        "forked_from": {"run_id": r.target, "step_id": args["from_step"]}})
 
 
 # --------------------------------------------------------------------------- the rest
@@ -289,6 +316,47 @@ async def _stats(p: Context, r: Request) -> Reply:
     })
 
 
+# --------------------------------------------------------------------------- schedules, retention
+
+
+async def _create_schedule(p: Context, r: Request) -> Reply:
+    return Reply(201, await p.daemon.create_schedule(r.body, audit=r.audit))
+
+
+async def _list_schedules(p: Context, r: Request) -> Reply:
+    limit = query_int(r.query, "limit", 100, minimum=1, maximum=1000)
+    cursor = query_str(r.query, "cursor")
+    if cursor is not None and not 0 < len(cursor) <= 64:
+        raise Invalid("must be the next_cursor of an earlier page", field="cursor")
+    page, next_cursor = p.daemon.list_schedules(limit=limit, after=cursor)
+    return Reply(200, {"schedules": page, "next_cursor": next_cursor})
+
+
+async def _get_schedule(p: Context, r: Request) -> Reply:
+    return Reply(200, p.daemon.schedule(r.target))
+
+
+async def _pause_schedule(p: Context, r: Request) -> Reply:
+    parse_schedule_action(r.body)
+    return Reply(200, await p.daemon.pause_schedule(r.target, audit=r.audit))
+
+
+async def _resume_schedule(p: Context, r: Request) -> Reply:
+    parse_schedule_action(r.body)
+    return Reply(200, await p.daemon.resume_schedule(r.target, audit=r.audit))
+
+
+async def _delete_schedule(p: Context, r: Request) -> Reply:
+    await p.daemon.delete_schedule(r.target, audit=r.audit)
+    return Reply(200, {})
+
+
+async def _prune_runs(p: Context, r: Request) -> Reply:
+    args = parse_prune(r.body)
+    return Reply(200, await p.daemon.prune_runs(
+        args["before"], key_before_ms=args["idempotency_keys_before"], limit=args["limit"]))
+
+
 # --------------------------------------------------------------------------- the table
 
 _W, _E, _R, _A = Need.WORKER, Need.EXECUTE, Need.READ, Need.ADMIN
@@ -317,12 +385,32 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
                                     in_txn=True, mutation=True),
     Operation.CANCEL: OperationSpec(_E, _act.RUNS_CANCEL, "run", "optional", _cancel,
                                     in_txn=True, mutation=True),
+    Operation.RETRY: OperationSpec(_E, _act.RUNS_RETRY, "run", "optional", _retry,
+                                   in_txn=True, mutation=True),
+    Operation.FORK: OperationSpec(_E, _act.RUNS_FORK, "run", "required", _fork,
+                                  in_txn=True, mutation=True),
     Operation.LIST_WORKERS: OperationSpec(_R, _act.WORKERS_READ, None, "none", _workers),
     Operation.AUDIT: OperationSpec(_A, _act.AUDIT_READ, None, "none", _audit),
     Operation.ACTORS: OperationSpec(_A, _act.ACTORS_READ, None, "none", _actors),
     Operation.KILL: OperationSpec(_A, _act.ACTORS_KILL, None, "required", _kill, mutation=True),
     Operation.DEFINITIONS: OperationSpec(_R, _act.DEFINITIONS_READ, None, "none", _definitions),
     Operation.STATS: OperationSpec(_R, _act.STATS_READ, None, "none", _stats),
+    # A schedule starts runs: creating, pausing, resuming or deleting one needs
+    # what starting a run needs (execute; write or admin as fallbacks).
+    Operation.CREATE_SCHEDULE: OperationSpec(_E, _act.SCHEDULES_CREATE, None, "required",
+                                             _create_schedule, in_txn=True, mutation=True),
+    Operation.LIST_SCHEDULES: OperationSpec(_R, _act.SCHEDULES_LIST, None, "none",
+                                            _list_schedules),
+    Operation.GET_SCHEDULE: OperationSpec(_R, _act.SCHEDULES_READ, "schedule", "none",
+                                          _get_schedule),
+    Operation.PAUSE_SCHEDULE: OperationSpec(_E, _act.SCHEDULES_PAUSE, "schedule", "optional",
+                                            _pause_schedule, in_txn=True, mutation=True),
+    Operation.RESUME_SCHEDULE: OperationSpec(_E, _act.SCHEDULES_RESUME, "schedule", "optional",
+                                             _resume_schedule, in_txn=True, mutation=True),
+    Operation.DELETE_SCHEDULE: OperationSpec(_E, _act.SCHEDULES_DELETE, "schedule", "none",
+                                             _delete_schedule, in_txn=True, mutation=True),
+    Operation.PRUNE_RUNS: OperationSpec(_A, _act.RUNS_PRUNE, None, "required", _prune_runs,
+                                        mutation=True),
 }
 
 LONG_POLLS: Final = frozenset({Operation.CLAIM, Operation.RESULT})

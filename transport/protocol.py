@@ -55,10 +55,11 @@ from ._validate import (
     is_lease_id,
     is_session_id,
     is_run_id,
+    is_schedule_id,
     parse_kill,
 )
 from .auth import Forbidden, KeyRing, Principal, Unauthorized, is_loopback_host
-from .metrics import DaemonMetrics, Registry, daemon_metrics
+from .metrics import DaemonMetrics, Registry, daemon_metrics, trace_export_metrics
 from .operations import (
     LONG_POLLS,
     SPECS,
@@ -146,7 +147,18 @@ class Protocol:
         self._connections: set[Any] = set()  # WorkerConnection: close_for_shutdown(), abort()
         self._batches_seen: tuple[int, ...] = ()  # storage batch-size buckets already observed
         self.metrics.runs_by_status.set_function(lambda: self._runs_by_status)
+        trace = daemon.services.trace
+        if trace is not None:
+            trace_export_metrics(self.registry, trace.statistics)
         self._runs_by_status: dict[str, int] = {}
+        # Retention (docs/storage.md "Retention"): what the data directory takes, and
+        # the runs deleted so far.
+        self._data_dir_bytes = self.registry.gauge(
+            "stepd_data_dir_bytes", "Bytes of the data directory's files (LMDB never shrinks "
+            "its file: with retention it stops growing).")
+        self._runs_pruned = self.registry.counter(
+            "stepd_runs_pruned_total", "Finished runs deleted by retention or a prune.")
+        self._pruned_seen = 0
 
     # ------------------------------------------------------------------ auth
 
@@ -244,6 +256,8 @@ class Protocol:
                 raise NotFound(f"lease {target!r} not found")
             if spec.target == "session" and not is_session_id(target):
                 raise NotFound(f"worker session {target!r} not found")
+            if spec.target == "schedule" and not is_schedule_id(target):
+                raise NotFound(f"schedule {target!r} not found")
             if op is Operation.KILL:
                 audit_target = parse_kill(body)
             if spec.in_txn and self.audited:
@@ -442,6 +456,11 @@ class Protocol:
         m = self.metrics
         self._runs_by_status = {k: v for k, v in e.stats.status_counts.items() if v > 0}
         m.live_leases.set(e.live_leases())
+        self._data_dir_bytes.set(e.data_dir_bytes())
+        pruned = e.stats.runs_pruned
+        if pruned > self._pruned_seen:
+            self._runs_pruned.inc(pruned - self._pruned_seen)
+            self._pruned_seen = pruned
         try:
             stats = await e.registry_stats()
             m.waiting_claims.set(stats.waiting_claims)

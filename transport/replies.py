@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from stepd.actors.daemon import SignalRefused
-from stepd.sansio.errors import Conflict, Invalid, NotFound, StepdError, Unavailable, Unprocessable
+from stepd.sansio.errors import (
+    Conflict,
+    Invalid,
+    NotFound,
+    NotRetryable,
+    StepdError,
+    Unavailable,
+    Unprocessable,
+)
 from stepd.storage import StorageClosed
 
 from .auth import Forbidden, Unauthorized
@@ -180,11 +188,11 @@ def error_reply(exc: BaseException) -> Reply:
              "message": bounded(exc.message)},
         )
     if isinstance(exc, Conflict):
-        return Reply(
-            409,
-            {"error": "conflict", "reason": exc.reason,
-             "message": bounded(exc.message or exc.reason)},
-        )
+        conflict = {"error": "conflict", "reason": exc.reason,
+                    "message": bounded(exc.message or exc.reason)}
+        if isinstance(exc, NotRetryable) and exc.budget is not None:
+            conflict["budget"] = exc.budget  # the budget a retry would breach again
+        return Reply(409, conflict)
     if isinstance(exc, Unprocessable):
         return Reply(422, {"error": "unprocessable", "message": bounded(_message(exc)),
                            "field": None})

@@ -1,35 +1,36 @@
-"""The daemon API, run side: start, status, journal, export, list, result, signal, cancel
-(see `api`)."""
+"""The daemon API, run side: start, fork, status, journal, export, list, result, signal,
+cancel, retry (see `api`)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import anyio
 
-from stepd.actors import (
-    ActorDead,
-)
-from stepd.sansio.errors import Invalid, NotFound, Unavailable, Unprocessable
-from stepd.sansio.events import StartChildren
+from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.sansio.record import RunRecord
 from stepd.sansio.run import RunMachine
 
 from . import audit as _audit
-from . import ids, listing, peers, store
+from . import ids, listing, peers, starting, store
 from ._api_base import ApiBase
 from .messages import (
     CancelRun,
+    RetryRun,
     Signal,
 )
-from .run import child_writes, walk_writes
 
 __all__ = ["RunOps"]
 
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
-log = logging.getLogger("stepd.daemon")
+
+def _check_key(idempotency_key: str | None) -> None:
+    if idempotency_key is not None and (
+        not isinstance(idempotency_key, str) or not idempotency_key
+        or len(idempotency_key.encode()) > 400
+    ):
+        raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
 
 
 class RunOps(ApiBase):
@@ -66,78 +67,70 @@ class RunOps(ApiBase):
             raise Invalid("must be a non-empty string", field="workflow")
         if version is not None and not isinstance(version, str):
             raise Invalid("must be a string", field="version")
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not idempotency_key
-            or len(idempotency_key.encode()) > 400
-        ):
-            raise Invalid("must be a non-empty string of at most 400 bytes", field="idempotency_key")
+        _check_key(idempotency_key)
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        return await starting.start_run(
+            self.services, workflow, input, version=version, correlation=correlation,
+            idempotency_key=idempotency_key, deadline_ms=deadline_ms, entry=entry)
+
+    async def fork(self, run_id: str, from_step: str, *, idempotency_key: str | None = None,
+                   audit: _audit.AuditEntry | None = None) -> tuple[str, bool]:
+        """Start a new run from the last completion of `from_step` in `run_id` (DBOS's fork):
+        the journal up to there copied, state and usage as they were then
+        (`RunMachine.fork`). The link is written with it: the fork's
+        ``forked_from``, the source's ``forks`` (one transaction, with `audit`).
+
+        Returns:
+            (the fork's run id, created): created is False when `idempotency_key`
+            was used before (that run is returned).
+
+        Raises:
+            Invalid: (``from_step``) not a step of the run, or it has not completed.
+            NotFound: no such run. Unprocessable: its journal cannot be forked.
+            Unavailable: the daemon is shutting down.
+        """
+        if not isinstance(from_step, str) or not from_step:
+            raise Invalid("must be a non-empty string", field="from_step")
+        found = self.storage.read(store.fork_source_txn, run_id)
+        if found is None:
+            raise NotFound(f"run {run_id!r} not found")
+        raw, journal = found
+        source = self._machine(raw)
+        _check_key(idempotency_key)
+        entry = None if audit is None else (audit, self.audit.next_seq())
+        known = await starting.known_run(self.services, idempotency_key, entry)
+        if known is not None:
+            return known, False
+        now = self.clock.time_ms()
+        machine, tr = RunMachine.fork(
+            source=source.record, journal=journal, definition=source.definition,
+            from_step=from_step, run_id=ids.run_id(now), now_ms=now,
+            idempotency_key=idempotency_key, resolve=self.catalog.resolve,
+            max_depth=self.config.max_child_depth,
+        )
+        return await starting.create(self.services, machine, tr, now, idempotency_key, entry)
+
+    async def retry(self, run_id: str, *, audit: _audit.AuditEntry | None = None) -> dict[str, Any]:
+        """Resume a failed run at its failed step with a fresh retry budget (`Retry`).
+
+        Persisted (with `audit`) before it answers, through the run's actor.
+
+        Returns:
+            ``{"run_id", "status", "step_id"}``: the status after the retry (it may
+            have failed again at once, e.g. on the same template) and the step
+            entered again.
+
+        Raises:
+            NotRetryable: not failed, failed on a budget, or past its deadline.
+            NotFound: no such run. Unavailable: shutting down.
+        """
+        self._record(run_id)
         if not self.services.serving:
             raise Unavailable("the daemon is shutting down")
         entry = None if audit is None else (audit, self.audit.next_seq())
-        if idempotency_key is not None:
-            taken = self.storage.get(store.DISPATCH_KEYS, idempotency_key)
-            if isinstance(taken, dict):
-                known = str(taken["run_id"])
-                if entry is not None:
-                    await self.storage.write(store.audit_only_txn, entry, known, 200)
-                return known, False
-        definition = self.catalog.resolve(workflow, version)
-        if definition is None:
-            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-            raise Unprocessable(f"{what} is not registered")
-        s = self.services
-        now = self.clock.time_ms()
-        run_id = ids.run_id(now)
-        machine, tr = RunMachine.start(
-            run_id=run_id, definition=definition, input=input, now_ms=now,
-            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
-            resolve=self.catalog.resolve, max_depth=self.config.max_child_depth,
-        )
-        w = store.RunWrite(
-            run_id=run_id, record=machine.record.to_dict(), journal=tr.journal,
-            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
-            dispatch_key=idempotency_key,
-            children=[cw for e in tr.effects if isinstance(e, StartChildren)
-                      for cw in child_writes(s, e, now)],
-            audit=entry,
-        )
-        s.creating[run_id] = 0
-        try:
-            existing: str | None = await self.storage.write(store.apply_txn, w)
-            if existing is not None:
-                return existing, False
-            await self._activate_created(run_id, w, machine, tr)
-        finally:
-            s.creating.pop(run_id, None)
-        return run_id, True
+        answer = await peers.ask_run(self.services, run_id, RetryRun(entry))
+        return {"run_id": run_id, **answer}
 
-    async def _activate_created(self, run_id: str, w: store.RunWrite, machine: RunMachine,
-                                tr: Any) -> None:
-        """Count a committed run in, start its actor, wake the children it created."""
-        s = self.services
-        s.stats.runs_started += 1
-        for created in walk_writes([w]):
-            s.stats.status_moved(None, created.record["status"])
-        if w.due_new is not None:
-            await peers.timers_changed(s, w.due_new)
-        # The machine we hold is the run's only if no incarnation loaded it from
-        # storage since the write (`Services.creating`); else the record decides.
-        initial = (machine, tr) if s.creating.get(run_id) == 0 else None
-        try:
-            try:
-                await peers.activate_run(s, run_id, initial)
-            except ActorDead:
-                # Committed, but a supervisor it needs is restarting: start it from
-                # the record instead once that is back.
-                await peers.wake_run(s, run_id, None)
-            for child in walk_writes(w.children):
-                await peers.wake_run(s, child.run_id, None)
-        except Unavailable:
-            # The run is committed: answering 503 now would tell the client it may
-            # not exist. Its actor comes up with recovery, which runs after every
-            # restart of /runs (rest_for_one) and activates every active run.
-            log.info("run %s is committed; its actor starts with recovery (/runs is "
-                     "restarting)", run_id)
 
     def _record(self, run_id: str) -> dict[str, Any]:
         raw = self.storage.read(store.load_run_txn, run_id)
@@ -159,7 +152,13 @@ class RunOps(ApiBase):
         Raises:
             NotFound: no such run.
         """
-        return self._machine(self._record(run_id)).status_view()
+        return self._view(self._machine(self._record(run_id)))
+
+    def _view(self, m: RunMachine, *, forks: int | None = store.MAX_FORKS_SHOWN) -> dict[str, Any]:
+        """The machine's status view, with the runs forked from it (`forks`, from storage)."""
+        view = m.status_view()
+        view["forks"] = self.storage.read(store.forks_txn, m.record.run_id, forks)
+        return view
 
     def journal(self, run_id: str, *, after_seq: int = 0,
                 limit: int | None = None) -> list[dict[str, Any]]:
@@ -168,10 +167,11 @@ class RunOps(ApiBase):
             run_id, after_seq=after_seq, limit=limit)]
 
     def export(self, run_id: str) -> dict[str, Any]:
-        """Definition, version, hash, idempotency key, budget, state, journal and spans."""
+        """Definition, version, hash, idempotency key, budget, input, state, result (or
+        error), the fork links (every fork), journal and spans."""
         m = self._machine(self._record(run_id))
         journal = self.journal(run_id)
-        view = m.status_view()
+        view = self._view(m, forks=None)
         spans = [
             {"step_id": e.get("step_id"), "item_index": e.get("item_index"),
              "lease_id": e.get("lease_id"), **span}
@@ -182,7 +182,10 @@ class RunOps(ApiBase):
             "definition_version": view["definition_version"],
             "definition_hash": view["definition_hash"],
             "idempotency_key": view["idempotency_key"], "budget": view["budget"],
-            "usage": view["usage"], "status": view, "state": view["state"],
+            "usage": view["usage"], "status": view, "input": view["input"],
+            "correlation": view["correlation"], "state": view["state"],
+            "result": view["result"], "error": view["error"],
+            "forked_from": view["forked_from"], "forks": view["forks"],
             "journal": journal, "spans": spans,
         }
 
@@ -240,13 +243,18 @@ class RunOps(ApiBase):
         entry = None if audit is None else (audit, self.audit.next_seq())
         await peers.ask_run(self.services, run_id, Signal(name, payload, entry))
 
-    async def cancel(self, run_id: str, message: str = "cancelled", *,
+    async def cancel(self, run_id: str, message: str | None = None, *,
                      audit: _audit.AuditEntry | None = None) -> None:
         """Cancel a run; `audit` is written in its transaction.
+
+        Args:
+            message: the canceller's reason: the run's ``error.message`` and its
+                ``run_cancelled`` journal entry (default ``cancelled``).
 
         Raises:
             RunTerminal: already over. NotFound.
         """
+        message = message or "cancelled"
         self._record(run_id)
         entry = None if audit is None else (audit, self.audit.next_seq())
         await peers.ask_run(self.services, run_id, CancelRun(message, entry))

@@ -14,9 +14,10 @@ from typing import Any
 import anyio
 
 from stepd.actors import ActorDead, ActorNotFound
+from stepd.sansio.capabilities import WorkerCapabilities, check_completion
 from stepd.sansio.errors import Fenced, Invalid, NotFound, Unavailable
 
-from . import peers, store, work_store
+from . import peers, store
 from ._api_base import ApiBase
 from .messages import ReleaseSession, RenewSession
 
@@ -51,12 +52,11 @@ class SessionOps(ApiBase):
 
     async def _session_ask(self, session_id: str, worker_id: str, message: Any) -> dict[str, Any]:
         info = self.storage.get(store.WORKERS, worker_id)
-        if info is None:
+        if not isinstance(info, dict):
             raise NotFound(f"worker {worker_id!r} is not registered")
-        if work_store.session_capable(info) is None:
-            # The local capability check; the shared gate of issue 14 takes it over.
-            raise Invalid("this worker did not declare the sessions capability",
-                          field="capabilities")
+        # The shared capability gate (version, flat capability, manifest), as for a
+        # completion that names a session: a 400 naming `session_id`.
+        check_completion(WorkerCapabilities.from_record(info), {"session_id": session_id})
         raw = self.storage.get(store.WORK_SESSIONS, session_id)
         if not isinstance(raw, dict):
             raise NotFound(f"worker session {session_id!r} not found")

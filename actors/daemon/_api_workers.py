@@ -32,6 +32,7 @@ from .messages import (
     LeaseCall,
     RegisterWorker,
     ReleaseLease,
+    Reregistered,
     SessionInfo,
 )
 from .registry import WorkerInfo
@@ -128,6 +129,8 @@ class WorkerOps(ApiBase):
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
             # Read by routing: worker sessions match its resources (AFFINITY.md).
+            # The capability gate (stepd.sansio.capabilities) reads it back at each
+            # completion that carries capability-specific data.
             "manifest": manifest,
         }
 
@@ -141,7 +144,8 @@ class WorkerOps(ApiBase):
         # A registry that is restarting reloads this worker from the table.
         peers.tell(self.services, "/registry", RegisterWorker(worker_id, name, frozenset(keys)))
         try:
-            await peers.ensure_session(self.services, worker_id)
+            session = await peers.ensure_session(self.services, worker_id)
+            await session.tell(Reregistered())  # a session already up rereads it
         except ActorDead:
             pass  # /sessions is restarting: recovery starts a session for every worker
         return {
@@ -150,6 +154,8 @@ class WorkerOps(ApiBase):
             "heartbeat_ms": self.config.heartbeat_ms,
             "protocol_version": negotiated,
             "max_request_ms": self.config.max_request_ms,
+            # complete/fail may carry `"started": true` (docs/leases.md "A folded started").
+            "fold_started": True,
             "definitions": [
                 {"name": d.name, "version": d.version, "definition_hash": d.definition_hash}
                 for d in parsed
@@ -317,6 +323,8 @@ class WorkerOps(ApiBase):
                 "worker_id": wid, "name": raw["name"], "build_id": raw.get("build_id"),
                 "protocol_version": raw.get("protocol_version"),
                 "concurrency": raw.get("concurrency"),
+                "capabilities": raw.get("capabilities") or [],
+                "manifest": raw.get("manifest"),
                 "registered_at": raw.get("registered_at"),
                 "connected": bool(info["connected"]),
                 "last_heartbeat_at": info["last_active"],

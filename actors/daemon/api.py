@@ -9,7 +9,7 @@ nothing below calls back up: the actors talk to each other by messages
 One method per operation of PROTOCOL.md: `register_worker`, `attach` (a push
 connection: WebSocket or in process), `claim` (HTTP long-poll), `lease_call`
 (started / heartbeat / complete / fail), `start_run`, `status`, `journal`,
-`export`, `list_runs`, `result`, `signal`, `cancel`, `workers`,
+`export`, `list_runs`, `result`, `signal`, `cancel`, `retry`, `fork`, `workers`,
 `definitions`, `actors`, `kill`. Mutations take the audit entry of the call
 (`audit.AuditEntry`) and write it in their own transaction: a change is on
 record if and only if its entry is.
@@ -34,15 +34,17 @@ from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.storage import Storage
 
 from . import listing, peers, store
+from ._api_retention import RetentionOps
 from ._api_runs import RunOps
 from ._api_sessions import SessionOps
+from ._api_schedules import ScheduleOps
 from ._api_workers import Connection, WorkerOps, _load_workers
 from .catalog import Catalog
 from .messages import (
     RegistryStats,
 )
 from .registry import Stats
-from .services import DaemonConfig, Services
+from .services import DaemonConfig, Services, TraceSink
 from .tree import build_tree
 from .workers import PROTOCOL_VERSION
 
@@ -55,7 +57,7 @@ _CLAIMS = itertools.count(1)
 _CONNECTIONS = itertools.count(1)
 
 
-class Daemon(WorkerOps, RunOps, SessionOps):
+class Daemon(WorkerOps, RunOps, SessionOps, ScheduleOps, RetentionOps):
     """The daemon: storage, catalog, the actor tree, and the operations. Open with `Daemon.open`."""
 
     # ------------------------------------------------------------------ lifecycle
@@ -63,8 +65,13 @@ class Daemon(WorkerOps, RunOps, SessionOps):
     @classmethod
     @asynccontextmanager
     async def open(cls, path: str, *, config: DaemonConfig | None = None,
-                   clock: Clock | None = None) -> AsyncIterator[Daemon]:
+                   clock: Clock | None = None,
+                   trace: TraceSink | None = None) -> AsyncIterator[Daemon]:
         """Open the data directory and start the actor tree; stop both on exit.
+
+        Args:
+            trace: where committed run writes go to be exported as spans
+                (`stepd.otel.SpanExport`); None: no export, no work per step.
 
         Raises:
             Invalid: a config value is out of range.
@@ -80,7 +87,7 @@ class Daemon(WorkerOps, RunOps, SessionOps):
             catalog = Catalog()
             storage.read(catalog.load_txn)
             await _index_old_runs(storage)
-            services = Services(storage, catalog, config, clock)
+            services = Services(storage, catalog, config, clock, trace=trace)
             # The tree's children reach `services.system` only once they run.
             system = services.system = ActorSystem(
                 clock=clock, root=build_tree(services, lambda: _load_workers(storage)))

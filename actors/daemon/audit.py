@@ -69,12 +69,21 @@ class AuditAction(IdentityEnum):
     RUNS_START = "runs.start"
     RUNS_SIGNAL = "runs.signal"
     RUNS_CANCEL = "runs.cancel"
+    RUNS_RETRY = "runs.retry"
+    RUNS_FORK = "runs.fork"
     ACTORS_READ = "actors.read"
     ACTORS_KILL = "actors.kill"
     AUDIT_READ = "audit.read"
     WORKERS_READ = "workers.read"
     DEFINITIONS_READ = "definitions.read"
     STATS_READ = "stats.read"
+    SCHEDULES_CREATE = "schedules.create"
+    SCHEDULES_LIST = "schedules.list"
+    SCHEDULES_READ = "schedules.read"
+    SCHEDULES_PAUSE = "schedules.pause"
+    SCHEDULES_RESUME = "schedules.resume"
+    SCHEDULES_DELETE = "schedules.delete"
+    RUNS_PRUNE = "runs.prune"
 
 
 _ACTIONS: Final = frozenset(a.value for a in AuditAction)

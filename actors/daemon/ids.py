@@ -44,3 +44,7 @@ def lease_id(time_ms: int) -> str:
 
 def worker_id(time_ms: int) -> str:
     return "w_" + ulid(time_ms)
+
+
+def schedule_id(time_ms: int) -> str:
+    return "s_" + ulid(time_ms)

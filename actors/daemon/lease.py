@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepd.actors import Actor
+from stepd.sansio.capabilities import WorkerCapabilities, check_completion, gated
 from stepd.sansio.errors import (
     AlreadyApplied,
     Conflict,
@@ -39,6 +40,7 @@ from stepd.sansio.events import (
     AttemptRevived,
     AttemptStarted,
 )
+from stepd.sansio.local_steps import parse_records
 from stepd.sansio.lease import (
     LeaseMachine,
     LeaseRecord,
@@ -172,6 +174,12 @@ class LeaseActor(Actor):
         reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
+        if call.op is Op.COMPLETE and call.body and gated(call.body):
+            # Before anything of the completion is applied, the lease not even touched.
+            raw = self.s.storage.get(store.WORKERS, rec.worker_id)
+            worker = WorkerCapabilities.from_record(raw if isinstance(raw, dict)
+                                                    else {"worker_id": rec.worker_id})
+            check_completion(worker, call.body)
         now = self.s.clock.time_ms()
         self._memo.touched = now
         revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
@@ -182,13 +190,22 @@ class LeaseActor(Actor):
             self._arm()
             return {"lease_ttl_ms": m.ttl_ms}
         body = call.body or {}
+        started = None
+        if (body.get("started") is True and not rec.started and rec.delivery == "at_least_once"
+                and (call.op is Op.COMPLETE or call.op is Op.FAIL)):
+            # The worker folded `started` into this call (its body ended inside
+            # the heartbeat gap): apply it first, in the same handler and commit.
+            m.touch(Op.STARTED, now)
+            started = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
         if call.op is Op.STARTED:
             event: Any = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
             final = None
         elif call.op is Op.COMPLETE:
             event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
                                      body.get("state_patch"), body.get("usage"),
-                                     body.get("spans"))
+                                     body.get("spans"),
+                                     parse_records(body["local_steps"])
+                                     if body.get("local_steps") else None)
             final = LeaseStatus.COMPLETED
         else:
             event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],
@@ -210,7 +227,7 @@ class LeaseActor(Actor):
             return {}
         try:
             await peers.ask_run(self.s, rec.run_id,
-                                ApplyAttempt(rec.lease_id, call.op, stored, event))
+                                ApplyAttempt(rec.lease_id, call.op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer

@@ -54,6 +54,7 @@ __all__ = [
     "list_txn",
     "rebuild_txn",
     "summary",
+    "unindex_txn",
 ]
 
 #: Index entries a page may examine without returning them (see the module docstring).
@@ -131,6 +132,21 @@ def index_txn(txn: WriteTxn, record: dict[str, Any], created: bool, status_old: 
         txn.delete(store.IDX_RUNS_WF_STATUS, wf + _status_key(status_old, suffix))
     txn.put(store.IDX_RUNS_STATUS, _status_key(status, suffix), None)
     txn.put(store.IDX_RUNS_WF_STATUS, wf + _status_key(status, suffix), None)
+
+
+def unindex_txn(txn: WriteTxn, record: dict[str, Any], status: str) -> None:
+    """Remove one run's summary and every index entry (retention deletes the run)."""
+    run_id = record["run_id"]
+    suffix = _suffix(record["created_at"], run_id)
+    wf = _h8(record["workflow"])
+    txn.delete(store.RUN_SUMMARIES, run_id)
+    txn.delete(store.IDX_RUNS_CREATED, suffix)
+    txn.delete(store.IDX_RUNS_WORKFLOW, wf + suffix)
+    txn.delete(store.IDX_RUNS_STATUS, _status_key(status, suffix))
+    txn.delete(store.IDX_RUNS_WF_STATUS, wf + _status_key(status, suffix))
+    corr = correlation_hash(record.get("correlation"))
+    if corr is not None:
+        txn.delete(store.IDX_RUNS_CORRELATION, corr + suffix)
 
 
 def rebuild_txn(txn: WriteTxn, after: bytes | None, batch: int) -> bytes | None:

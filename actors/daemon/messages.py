@@ -5,7 +5,7 @@ Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
 * API -> lease actor: `LeaseCall` (ask)
 * lease actor -> run actor: `ApplyAttempt` (ask), `AttemptNote` (tell)
 * session actor -> run actor: `Offer` (ask)
-* API -> run actor: `Signal`, `CancelRun` (asks); recovery -> run: `Resync`, `InboxChanged`
+* API -> run actor: `Signal`, `CancelRun`, `RetryRun` (asks); recovery -> run: `Resync`, `InboxChanged`
 * run actor -> lease actor: `EndLease`; -> registry: `Announce`, `WithdrawSlots`
 * lease actor -> session actor: `LeaseEnded`
 * API / connections -> session actor: `Attach`, `Detach`, `Grant`, `ClaimSlots`,
@@ -78,6 +78,7 @@ class Offer:
     spec: AttemptSpec
     worker_id: str
     worker_name: str
+    local_steps: bool = False  # the worker declared local_steps: its lease carries the plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +86,16 @@ class ApplyAttempt:
     """A lease call that changes the run: persist it under the durable guard, then answer.
 
     `lease` is the updated lease record to store in the same transaction.
+    `started` is set when an at_least_once worker folded its `started` into this
+    `complete` or `fail` (docs/leases.md "A folded started"): the run applies
+    that event first, written behind, so both ride one commit.
     """
 
     lease_id: str
     op: Op
     lease: Any  # dict: the updated lease record
     event: Any
+    started: Any = None  # AttemptStarted, or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +118,13 @@ class Signal:
 class CancelRun:
     message: str = "cancelled"
     audit: Any = None  # an AuditEntry written in the cancel's transaction
+
+
+@dataclass(frozen=True, slots=True)
+class RetryRun:
+    """Resume a failed run at its failed step (answered with its status and that step)."""
+
+    audit: Any = None  # an AuditEntry written in the retry's transaction
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +276,12 @@ class Resubscribe:
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     """Ask a session what it knows (workers list, expiry decisions)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reregistered:
+    """The worker registered again under its id: the session rereads its registration
+    (name, capabilities), so a worker that dropped ``local_steps`` gets no more plans."""
 
 
 # --------------------------------------------------------------------------- timers

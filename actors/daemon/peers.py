@@ -39,6 +39,7 @@ __all__ = [
     "announce",
     "ask_run",
     "end_lease",
+    "ensure_schedule",
     "ensure_session",
     "ensure_work_session",
     "lease_alive",
@@ -125,6 +126,15 @@ async def ensure_work_session(s: Services, session_id: str) -> ActorRef:
     """
     return await _running(s, "/sessions", session_id, lambda: s.work_session_spec(session_id),
                           f"worker session {session_id!r} not found")
+async def ensure_schedule(s: Services, schedule_id: str) -> ActorRef:
+    """The schedule's actor, started from its record if it is not running.
+
+    Raises:
+        NotFound: no such schedule.
+        ActorDead: the schedules supervisor is restarting.
+    """
+    return await _running(s, "/schedules", schedule_id, lambda: s.schedule_spec(schedule_id),
+                          f"schedule {schedule_id!r} not found")
 
 
 def registry(s: Services) -> ActorRef:

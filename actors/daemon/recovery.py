@@ -5,7 +5,8 @@ the daemon starts and again whenever an actor before it restarts (the
 registry, the runs or leases supervisor): every run with work in flight
 (`idx_active`) is activated and resynchronised (it re-announces its queued
 slots and restarts the actors of its live leases, with a full TTL), and every
-run with messages in its inbox is woken to read them. Timers of passivated
+run with messages in its inbox is woken to read them, and every schedule's
+actor is started (it arms its own timer). Timers of passivated
 runs are the timer actor's job.
 
 The work is done in small batches of messages to itself, not in `on_start`:
@@ -76,7 +77,19 @@ class RecoveryActor(Actor):
             # every sibling after it, this actor included. Failing the start here would
             # count as a crash of ours against the root's intensity.
             log.info("recovery: /sessions is restarting; sessions are resubscribed after it")
+        await self._start_schedules()
         self.ref.tell_nowait(Continue())
+
+    async def _start_schedules(self) -> None:
+        """Every schedule gets its actor, which arms its timer (or catches up) itself."""
+        for key, _ in self.s.storage.scan(store.SCHEDULES):
+            try:
+                await peers.ensure_schedule(self.s, key.decode())
+            except (ActorDead, ActorNotFound):
+                log.info("recovery: /schedules is restarting; its schedules start after it")
+                return
+            except NotFound:
+                continue  # deleted meanwhile
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, ResyncAll):

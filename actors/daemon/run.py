@@ -31,6 +31,7 @@ from stepd.sansio.events import (
     EndLeases,
     InternalFailure,
     NotifyParent,
+    Retry,
     RunEnded,
     Runnable,
     SignalReceived,
@@ -56,6 +57,7 @@ from .messages import (
     Offer,
     Resync,
     SessionNote,
+    RetryRun,
     Signal,
 )
 from .services import Services
@@ -282,6 +284,9 @@ class RunActor(Actor):
         if isinstance(message, CancelRun):
             await self._handle(Cancel(message.message), audit=message.audit)
             return None
+        if isinstance(message, RetryRun):
+            tr = await self._handle(Retry(), audit=message.audit)
+            return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
         if isinstance(message, InboxChanged):
             await self._drain_inbox()
             return None
@@ -313,7 +318,8 @@ class RunActor(Actor):
         spec = msg.spec
         try:
             tr = self.machine.handle(
-                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name),
+                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id, msg.worker_name,
+                               msg.local_steps),
                 now,
             )
         except Conflict:
@@ -330,43 +336,51 @@ class RunActor(Actor):
         # crash the slot is still queued on record and is offered again, and the
         # worker's calls on this lease get 404. Every later write of this run is
         # ordered after it, so `started`/`complete` find the lease on record.
-        e.storage.write_deferred(store.apply_txn,
-                                 store.deferred(self._write(tr, leases=[record.to_dict()])))
+        self._write_behind(self._write(tr, leases=[record.to_dict()]))
         peers.start_lease(e, record)
         lease["lease_ttl_ms"] = e.config.lease_ttl_ms
         e.stats.leases_offered += 1
         return lease
 
     async def _apply_attempt(self, msg: ApplyAttempt) -> None:
-        queued_at = None
-        if msg.op is Op.STARTED and self.machine.record.frame is not None:
-            slot = self.machine.record.frame.slot(msg.event.item_index)
-            queued_at = None if slot is None else slot.queued_at
         now = self.s.clock.time_ms()
+        if msg.op is Op.STARTED:
+            self._sample_schedule_to_start(msg.event, now)
+        before = None
+        if msg.started is not None:
+            # A folded `started` (at_least_once): applied first, and written in
+            # the same commit as the call it rode in (docs/leases.md).
+            self._sample_schedule_to_start(msg.started, now)
+            try:
+                before = self.machine.handle(msg.started, now)
+            except Conflict:
+                before = None  # the attempt moved on: the call below hears why
         if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             try:
                 tr = self.machine.handle(msg.event, now)
             except Conflict:
                 return  # told, not asked: the lease's next call gets the refusal
-        else:
-            try:
-                tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
-            except Conflict:
-                if self._landed(msg):
-                    return  # this very call landed before an incarnation died under it
-                raise
-        if queued_at is not None:
-            stats = self.s.stats
-            stats.sample(stats.schedule_to_start, (now - queued_at) / 1000.0)
-        if msg.op is Op.STARTED and msg.lease.get("delivery") == "at_least_once":
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
-            self.s.storage.write_deferred(
-                store.apply_txn, store.deferred(self._write(tr, leases=[msg.lease])))
+            self._write_behind(self._write(tr, leases=[msg.lease]))
             self._arm()
             return
+        try:
+            tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
+        except Conflict:
+            if before is not None:  # what did apply is written behind, as a `started` is
+                self.s.storage.write_deferred(store.apply_txn, store.deferred(self._write(
+                    before, leases=[dict(msg.lease, status=LeaseStatus.STARTED.text,
+                                         ended_at=None, call=None)])))
+                self._arm()
+            if self._landed(msg):
+                return  # this very call landed before an incarnation died under it
+            raise
+        if before is not None:
+            tr.journal[:0] = before.journal
+            tr.effects[:0] = before.effects
         try:
             await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
         except Conflict as exc:
@@ -374,6 +388,14 @@ class RunActor(Actor):
             # the asker gets ActorDead and asks the rebuilt incarnation again.
             raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
         await self._effects(tr)
+
+    def _sample_schedule_to_start(self, event: Any, now: int) -> None:
+        frame = self.machine.record.frame
+        if frame is not None:
+            slot = frame.slot(event.item_index)
+            if slot is not None and slot.queued_at is not None:
+                stats = self.s.stats
+                stats.sample(stats.schedule_to_start, (now - slot.queued_at) / 1000.0)
 
     def _landed(self, msg: ApplyAttempt) -> bool:
         """The call `msg` carries is on record already: this very call landed.
@@ -478,7 +500,20 @@ class RunActor(Actor):
             return
         w = self._write(tr, **extra)
         await self.s.storage.write(store.apply_txn, w)
+        if self.s.trace is not None:
+            self.s.trace.committed(w)  # after the commit: export describes what is on record
         self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
+
+    def _write_behind(self, w: store.RunWrite) -> None:
+        """Queue a write nobody awaits (an offer, an at_least_once `started`).
+
+        The trace sink hears of it now: it only notes the attempt's start, and
+        exports nothing until a later write of this run ends the attempt,
+        which is committed after this one (the storage keeps submission order).
+        """
+        self.s.storage.write_deferred(store.apply_txn, store.deferred(w))
+        if self.s.trace is not None:
+            self.s.trace.committed(w)
 
     # ------------------------------------------------------------------ effects
 

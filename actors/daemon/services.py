@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from stepd.actors import ActorSystem, ChildSpec, Clock, Waiter
 from stepd.sansio.errors import Invalid
@@ -31,7 +31,7 @@ from stepd.storage import Storage
 if TYPE_CHECKING:
     from .catalog import Catalog
 
-__all__ = ["DaemonConfig", "DaemonStats", "RunWatch", "Services"]
+__all__ = ["DaemonConfig", "DaemonStats", "RunWatch", "Services", "TraceSink"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,10 @@ class DaemonConfig:
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
     prices: PriceBook = PriceBook()
+    #: Finished runs are deleted this long after they ended (0: kept forever; docs/storage.md
+    #: "Retention"); their idempotency keys after `idempotency_retention_ms` (0: the same).
+    retention_ms: int = 0
+    idempotency_retention_ms: int = 0
 
     @property
     def claim_hold_ms(self) -> int:
@@ -70,6 +74,10 @@ class DaemonConfig:
         if isinstance(expiry, bool) or not isinstance(expiry, int) or expiry < 0:
             raise Invalid("must be an integer >= 0 (milliseconds; 0: never)",
                           field="worker_expiry_ms")
+        for name in ("retention_ms", "idempotency_retention_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise Invalid("must be an integer >= 0 (milliseconds; 0: off)", field=name)
         depth = self.max_child_depth
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 64:
             raise Invalid("must be an integer from 0 to 64", field="max_child_depth")
@@ -82,6 +90,8 @@ class DaemonStats:
     runs_started: int = 0
     runs_ended: int = 0
     leases_offered: int = 0
+    #: Finished runs deleted by retention or `prune_runs`.
+    runs_pruned: int = 0
     #: Runs by status, kept current by every transition.
     status_counts: dict[str, int] = field(default_factory=dict)
     run_to_complete: list[float] = field(default_factory=list)
@@ -128,6 +138,21 @@ class RunWatch:
             w.set()
 
 
+class TraceSink(Protocol):
+    """Where run writes go to be exported as spans (`stepd.otel`); None when export is off.
+
+    `committed` is called on the event loop with each `store.RunWrite` once it
+    is committed (or, for a write nobody awaits, once it is queued: see
+    `RunActor._write_behind`). It must return at once: it hands the write to
+    a queue of its own and never blocks or raises (docs/otel.md).
+    """
+
+    def committed(self, write: Any) -> None: ...
+
+    def statistics(self) -> Any:
+        """A frozen record of counts (``/metrics``: ``stepd_otel_export``)."""
+
+
 def _unset(*args: Any) -> NoReturn:
     raise RuntimeError("the daemon's tree is not built yet")
 
@@ -144,6 +169,8 @@ class Services:
     system: ActorSystem = None  # type: ignore[assignment]
     stats: DaemonStats = field(default_factory=DaemonStats)
     watch: RunWatch = field(default_factory=RunWatch)
+    #: The span exporter's hand-off (`TraceSink`), or None: export off, no work per step.
+    trace: TraceSink | None = None
     #: False once the daemon began shutting down: no new leases are handed out.
     serving: bool = True
     #: Runs being created (`Daemon.start_run`, between its write and its actor's
@@ -174,3 +201,5 @@ class Services:
     session_spec: Callable[[str], ChildSpec] = _unset
     #: The child spec of a worker session's ("affinity session") actor, by session id.
     work_session_spec: Callable[[str], ChildSpec] = _unset
+    #: The child spec of a schedule actor (schedule id), set with the others.
+    schedule_spec: Callable[[str], ChildSpec] = _unset

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from stepd.actors import Actor
+from stepd.sansio.capabilities import WorkerCapabilities
 from stepd.sansio.errors import Unavailable
 from stepd.sansio.session import (
     Answer,
@@ -51,6 +52,7 @@ from .messages import (
     Grant,
     LeaseEnded,
     ReleaseLease,
+    Reregistered,
     Resubscribe,
     ResyncAll,
     ReturnSpecs,
@@ -102,13 +104,18 @@ class SessionActor(Actor):
         self.worker_id = worker_id
         self.memo = memo
         self.name = ""
+        self.local_steps = False
         self.machine: SessionMachine
 
-    async def on_start(self) -> None:
+    def _read_registration(self) -> None:
         raw = self.s.storage.get(store.WORKERS, self.worker_id)
         if not isinstance(raw, dict):
             raise LookupError(f"worker {self.worker_id} is not registered")
         self.name = str(raw.get("name") or "")
+        self.local_steps = WorkerCapabilities.from_record(raw).supports("local_steps")
+
+    async def on_start(self) -> None:
+        self._read_registration()
         self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
                                       last_active=self.s.clock.time_ms())
         memo = self.memo
@@ -164,6 +171,8 @@ class SessionActor(Actor):
             m.touch(now)
         elif isinstance(message, Due):
             await self._perform(m.tick(now))
+        elif isinstance(message, Reregistered):
+            self._read_registration()
         elif isinstance(message, Resubscribe):
             await self._perform(m.resubscribe())
         elif isinstance(message, SessionInfo):
@@ -219,7 +228,8 @@ class SessionActor(Actor):
         spec = action.spec
         try:
             lease = await peers.ask_run(self.s, spec.run_id,
-                                        OfferMsg(spec, self.worker_id, self.name), quiet=True)
+                                        OfferMsg(spec, self.worker_id, self.name,
+                                                 self.local_steps), quiet=True)
         except Unavailable:
             # Its run did not come up (a /runs kill under load): the run
             # re-announces the slot when it is back; this session goes on.

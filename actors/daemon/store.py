@@ -23,6 +23,7 @@ Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
 | work_sessions, idx_ws_holder | see `work_store` | worker sessions and their holders' slots |
 | run_crashes | run id | `{"at": [ms, ...], "error"}`: recent crashes of the run's actor |
 | run_summaries, idx_runs_* | see `listing` | the listing's summaries and indexes |
+| run_forks | source run id, NUL, fork run id | `{"step_id", "at"}`: the source's side of a fork's link |
 
 Every table name is declared in `tables`.
 """
@@ -37,7 +38,7 @@ from stepd.sansio.errors import AlreadyApplied, Conflict, Fenced, NotStarted, Ru
 from stepd.sansio.lease import LeaseRecord, Op, reject_reason
 from stepd.sansio.record import slot_key
 from stepd.sansio.status import TERMINAL_STATUSES, RunStatus
-from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, timer_key
+from stepd.storage import ReadTxn, WriteTxn, encode, journal_key, journal_txn, timer_key
 
 from . import listing
 from .audit import AuditEntry, append_txn
@@ -49,8 +50,10 @@ from .tables import (  # re-exported: callers name them store.RUNS, ...
     JOURNAL,
     LEASES,
     RUN_CRASHES,
+    RUN_FORKS,
     RUN_SUMMARIES,
     RUNS,
+    SCHEDULES,
     TIMERS,
     WORK_SESSIONS,
     WORKERS,
@@ -65,7 +68,9 @@ __all__ = [
     "LEASES",
     "RUNS",
     "RUN_CRASHES",
+    "RUN_FORKS",
     "RUN_SUMMARIES",
+    "SCHEDULES",
     "TIMERS",
     "TIMER_TAG",
     "WORKERS",
@@ -78,6 +83,8 @@ __all__ = [
     "count_crash_txn",
     "deferred",
     "durable_reason",
+    "fork_source_txn",
+    "forks_txn",
     "inbox_key",
     "inbox_prefix",
     "inbox_txn",
@@ -163,6 +170,10 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
             txn.put(DISPATCH_KEYS, w.dispatch_key, {"run_id": w.run_id, "at": w.record["created_at"]})
         if not txn.put(RUNS, w.run_id, w.record, overwrite=False):
             raise KeyError(f"run {w.run_id} exists already")
+        origin = w.record.get("forked_from")
+        if isinstance(origin, dict):  # a fork: the link from its source, in its own write
+            txn.put(RUN_FORKS, inbox_key(origin["run_id"], w.run_id),
+                    {"step_id": origin["step_id"], "at": w.record["created_at"]})
     else:
         if w.guard is not None:
             _check_guard_txn(txn, w.run_id, w.guard)
@@ -291,6 +302,27 @@ def inbox_txn(txn: ReadTxn, run_id: str) -> list[tuple[bytes, dict[str, Any]]]:
     return [(k, v) for k, v in txn.scan(INBOX, prefix=inbox_prefix(run_id)) if isinstance(v, dict)]
 
 
+
+
+def fork_source_txn(txn: ReadTxn, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """A run's record and whole journal, read together (what a fork copies), or None."""
+    raw = txn.get(RUNS, run_id)
+    if not isinstance(raw, dict):
+        return None
+    return raw, [dict(v) for _, v in journal_txn(txn, run_id)]  # type: ignore[call-overload]
+
+
+#: The most forks a run's status lists (the oldest first); its export lists them all.
+MAX_FORKS_SHOWN = 100
+
+
+def forks_txn(txn: ReadTxn, run_id: str, limit: int | None = MAX_FORKS_SHOWN) -> list[dict[str, Any]]:
+    """The runs forked from `run_id`, oldest first (run ids sort by creation time):
+    ``[{"run_id", "step_id"}]``."""
+    prefix = inbox_prefix(run_id)
+    return [{"run_id": key[len(prefix):].decode(), "step_id": value.get("step_id")}
+            for key, value in txn.scan(RUN_FORKS, prefix=prefix, limit=limit)
+            if isinstance(value, dict)]
 
 
 def run_is_terminal(raw: dict[str, Any]) -> bool:

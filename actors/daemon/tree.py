@@ -7,7 +7,10 @@
     +-- runs        one_for_one: one actor per active run          /runs/<run_id>
     +-- leases      one_for_one: one actor per live lease          /leases/<lease_id>
     +-- timers      wakes passivated runs at their deadline
-    +-- recovery    on (re)start: activates runs with work in flight, resubscribes sessions
+    +-- schedules   one_for_one: one actor per schedule            /schedules/<schedule_id>
+    +-- recovery    on (re)start: activates runs with work in flight, resubscribes sessions,
+                    starts every schedule's actor
+    +-- retention   deletes finished runs past --retention, a slice per message
 
 `rest_for_one`: a restart of one child restarts every child after it, ending
 with recovery, which rebuilds the live actors from storage. Sessions come
@@ -36,6 +39,8 @@ from .lease import LeaseActor, LeaseMemo
 from .recovery import RecoveryActor
 from .registry import RegistryActor, WorkerInfo
 from .run import RunActor
+from .retention import RetentionActor
+from .schedule import ScheduleActor
 from .services import Services
 from .session import SessionActor, SessionMemo
 from .timers import TimerActor
@@ -84,8 +89,13 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
         return ChildSpec(session_id, lambda: WorkSessionActor(s, session_id),
                          restart=Restart.TRANSIENT)
 
+    def schedule_spec(schedule_id: str) -> ChildSpec:
+        return ChildSpec(schedule_id, lambda: ScheduleActor(s, schedule_id),
+                         restart=Restart.TRANSIENT)
+
     s.run_spec = run_spec
     s.work_session_spec = work_session_spec
+    s.schedule_spec = schedule_spec
     s.lease_spec = lease_spec
     s.session_spec = session_spec
 
@@ -99,7 +109,9 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
             ChildSpec("runs", dynamic),
             ChildSpec("leases", dynamic),
             ChildSpec("timers", lambda: TimerActor(s)),
+            ChildSpec("schedules", dynamic),
             ChildSpec("recovery", lambda: RecoveryActor(s)),
+            ChildSpec("retention", lambda: RetentionActor(s)),
         ],
         strategy=Strategy.REST_FOR_ONE,
         # More than 10 rebuilds of the tree in a minute and it will not get

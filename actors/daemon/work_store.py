@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from stepd.sansio.capabilities import WorkerCapabilities
 from stepd.sansio.session_spec import resources_match
 from stepd.storage import ReadTxn, WriteTxn
 
@@ -38,16 +39,14 @@ def _slot_key(worker_id: str, session_id: str) -> bytes:
 def session_capable(info: Any) -> dict[str, Any] | None:
     """The worker's ``sessions`` manifest entry if it may hold sessions, else None.
 
-    The local form of the capability gate (AFFINITY.md "Version negotiation"):
-    the flat capability is what routing reads, and register already refused a
-    flat capability the manifest does not mark supported (`workers.check_capabilities`).
+    Routing asks what the capability gate (`stepd.sansio.capabilities`) would:
+    negotiated 1.18 or later, the flat capability declared, its manifest entry
+    ``supported``.
     """
-    if not isinstance(info, dict) or "sessions" not in (info.get("capabilities") or ()):
+    if not isinstance(info, dict) or not WorkerCapabilities.from_record(info).supports("sessions"):
         return None
-    entry = (info.get("manifest") or {}).get("sessions")
-    if not isinstance(entry, dict) or entry.get("status") != "supported":
-        return None
-    return entry
+    entry = info["manifest"]["sessions"]
+    return entry if isinstance(entry, dict) else None
 
 
 def candidates_txn(txn: ReadTxn, requirements: dict[str, Any], queue: str | None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stepd.sansio.capabilities import CAPABILITIES, MIN_CAPABILITY_VERSION, version_tuple
 from stepd.sansio.errors import Invalid
 
 __all__ = ["CAPABILITIES", "PROTOCOL_VERSION", "check_capabilities", "negotiate"]
@@ -39,9 +40,6 @@ def negotiate(version: Any, ours: str) -> str:
     return f"{low[0]}.{low[1]}"
 
 
-CAPABILITIES = ("local_steps", "sessions", "sticky")
-
-
 def check_capabilities(negotiated: str, capabilities: Any, manifest: Any) -> None:
     """AFFINITY.md "Version negotiation and the capability manifest".
 
@@ -50,8 +48,7 @@ def check_capabilities(negotiated: str, capabilities: Any, manifest: Any) -> Non
     """
     if not isinstance(capabilities, list) or not all(isinstance(c, str) for c in capabilities):
         raise Invalid("must be a list of strings", field="capabilities")
-    major, minor = (int(p) for p in negotiated.split("."))
-    if (major, minor) < (1, 18):
+    if version_tuple(negotiated) < MIN_CAPABILITY_VERSION:
         if capabilities or manifest:
             raise Invalid("capability declarations need protocol version 1.18 or later",
                           field="capabilities" if capabilities else "manifest")

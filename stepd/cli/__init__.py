@@ -1,9 +1,10 @@
 """The ``stepd`` command line: a click group, ``main`` (docs/cli.md).
 
 Commands: ``serve`` (the daemon; docs/serve.md), ``run start|status|list|
-journal|export|signal|cancel``, ``workers``, ``actors [kill PATH]`` (the
-client commands, in ``stepd.cli.runs`` and ``stepd.cli.ops``) and ``demo``
-(``stepd.cli.demo``).
+journal|export|signal|cancel|prune`` (also as ``runs``), ``schedule
+create|list|show|pause|resume|delete``, ``workers``, ``actors [kill PATH]``
+(the client commands, in ``stepd.cli.runs``, ``stepd.cli.schedules`` and
+``stepd.cli.ops``) and ``demo`` (``stepd.cli.demo``).
 
 Every ``serve`` flag can also be set from the environment as
 ``STEPD_<FLAG>`` (``--lease-ttl-ms`` is ``STEPD_LEASE_TTL_MS``); a repeatable
@@ -163,6 +164,15 @@ def main() -> None:
               "(budget_exceeded, max_child_depth)")
 @_option("worker-expiry-ms", type=click.IntRange(min=0), default=600_000, show_default=True,
          help="forget a worker with no connection, claim or live lease for this long (0: never)")
+@_option("otlp-endpoint", metavar="URL", default=None,
+         help="export runs, step attempts and body spans over OTLP/HTTP to this collector "
+              "(http://host:4318; OTEL_EXPORTER_OTLP_* variables apply; needs "
+              "pip install 'stepd[otel]')")
+@_option("retention", default=None, metavar="DURATION",
+         help="delete finished runs this long after they ended (e.g. 30d; default: keep them)")
+@_option("idempotency-retention", default=None, metavar="DURATION",
+         help="keep a deleted run's idempotency key this long after it was taken "
+              "(default: as --retention)")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:
@@ -201,9 +211,12 @@ def _add_commands() -> None:
     from stepd.cli.demo import demo
     from stepd.cli.ops import actors, workers
     from stepd.cli.runs import run as run_group
+    from stepd.cli.schedules import prune, schedule
 
-    for command in (run_group, workers, actors, demo):
+    run_group.add_command(prune)
+    for command in (run_group, workers, actors, demo, schedule):
         main.add_command(command)
+    main.add_command(run_group, name="runs")  # `stepd runs prune` reads as the issue wrote it
 
 
 _add_commands()

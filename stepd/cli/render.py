@@ -58,6 +58,7 @@ _BUDGET_USAGE: Final = {
 
 _EVENT_STYLE: Final = {
     "run_started": "bold", "run_completed": "bold green", "run_failed": "bold red",
+    "run_retried": "bold cyan", "run_forked": "bold cyan",
     "run_cancelled": "bold magenta", "run_timed_out": "bold red", "step_failed": "red",
     "budget_exceeded": "bold red", "signal_rejected": "red", "step_orphaned": "yellow",
     "step_recovered": "yellow", "step_revived": "yellow", "step_unservable": "yellow",
@@ -148,6 +149,12 @@ def status_view(status: RunStatus, *, full: bool = True) -> Group:
         _row(grid, "correlation", short_json(status.correlation))
     if status.parent_run_id:
         _row(grid, "parent run", status.parent_run_id)
+    if status.forked_from is not None:
+        _row(grid, "forked from", f"{status.forked_from.get('run_id')} after step "
+                                  f"{status.forked_from.get('step_id')!r}")
+    if status.forks:
+        _row(grid, "forks", ", ".join(f"{f.get('run_id')} (after {f.get('step_id')!r})"
+                                      for f in status.forks))
     _row(grid, "created", _when(status.created_at))
     _row(grid, "updated", _when(status.updated_at))
     if status.deadline_at is not None:
@@ -230,6 +237,14 @@ def event_detail(e: Mapping[str, Any]) -> str:
         if e.get("budget"):
             text += f" refused: would exceed {e['budget']}"
         return text
+    if kind == "run_retried":
+        err = e.get("error") or {}
+        was = (f" (was {err.get('reason')}: {err.get('message', '')})"
+               if isinstance(err, Mapping) and err.get("reason") else "")
+        return f"resumed at {e.get('step_id')}{was}"
+    if kind == "run_forked":
+        return (f"forked from {e.get('from_run_id')} after step {e.get('from_step')!r} "
+                f"(seq {e.get('from_seq')})")
     if kind == "budget_exceeded":
         return f"{e.get('budget')}: {e.get('value')} > limit {e.get('limit')}"
     if kind == "timer_fired":

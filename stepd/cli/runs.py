@@ -1,4 +1,4 @@
-"""``stepd run ...``: start, read, signal and cancel runs (docs/cli.md)."""
+"""``stepd run ...``: start, read, watch, signal, cancel, retry and fork runs (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -54,25 +54,31 @@ def run() -> None:
 @click.option("--wait", is_flag=True, help="wait for the run to end and print its result")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS", help="with --wait: give up waiting after this long (exit 1)")
+@click.option("--watch", is_flag=True,
+              help="show the run's journal live until it ends (as 'stepd run watch')")
 @click.option("--json", "as_json", is_flag=True,
               help='print {"run_id", "created"} as a JSON line; with --wait, then '
-                   '{"run_id", "created", "status", "result"} as a second one')
+                   '{"run_id", "created", "status", "result"} as a second one; with --watch, '
+                   'the events as JSON lines')
 @client_options
 def start(workflow: str, input_: str, idempotency_key: str | None, version: str | None,
-          correlation: str | None, wait: bool, timeout: float | None, as_json: bool,
-          url: str, key: str | None) -> None:
+          correlation: str | None, wait: bool, timeout: float | None, watch: bool,
+          as_json: bool, url: str, key: str | None) -> None:
     """Start a run of WORKFLOW; print its run id (and with --wait, its result).
 
     With an idempotency key used before, the original run's id is printed
     (and a note on stderr). The id is printed before --wait waits, so it is
     not lost when waiting fails (e.g. a key that may start runs but not read
     them: exit 6). With --wait, a run that fails, is cancelled or times out
-    exits 7 with its error.
+    exits 7 with its error. --watch shows the journal as it grows instead
+    (exit 7 likewise).
     """
     value = json_value(input_, "--input")
     corr = json_value(correlation, "--correlation")
     if timeout is not None and not wait:
         raise click.UsageError("--timeout needs --wait")
+    if wait and watch:
+        raise click.UsageError("--wait and --watch: pick one (--watch waits too)")
     with connect(url, key) as client:
         with sdk_errors(url):
             handle = client.start(workflow, value, idempotency_key=idempotency_key,
@@ -87,6 +93,12 @@ def start(workflow: str, input_: str, idempotency_key: str | None, version: str 
             _json_line({"run_id": handle.run_id, "created": handle.created})
         else:
             click.echo(run_id)
+        if watch:
+            from stepd.cli.watch import watch_run
+
+            with sdk_errors(url, run_id=handle.run_id):
+                watch_run(client, handle.run_id, as_json=as_json)
+            return
         if not wait:
             return
         try:
@@ -126,7 +138,7 @@ def status(run_id: str, as_json: bool, url: str, key: str | None) -> None:
     console().print(status_view(view))
 
 
-def _when_ms(text: str | None, flag: str) -> int | None:
+def when_ms(text: str | None, flag: str) -> int | None:
     """``--since``/``--until``: epoch ms, an ISO-8601 time, or a duration ago (``2h``).
 
     Sent to the daemon as epoch ms, so what the CLI accepts does not depend on
@@ -221,7 +233,7 @@ def list_(workflow: str | None, status: str | None, since: str | None, until: st
 
     filters: dict[str, Any] = {
         "workflow": workflow, "status": status,
-        "created_after": _when_ms(since, "--since"), "created_before": _when_ms(until, "--until"),
+        "created_after": when_ms(since, "--since"), "created_before": when_ms(until, "--until"),
         "correlation": _correlation_filter(correlation), "idempotency_key": idempotency_key,
         "order": order, "cursor": cursor,
     }
@@ -265,7 +277,8 @@ def journal(run_id: str, as_json: bool, url: str, key: str | None) -> None:
 @click.argument("run_id", metavar="RUN")
 @client_options
 def export(run_id: str, url: str, key: str | None) -> None:
-    """Print a run's export as JSON: definition, version, hash, budget, state, journal, spans."""
+    """Print a run's export as JSON: definition, version, hash, budget, input, state, result
+    or error, fork links, journal, spans."""
     with connect(url, key) as client, sdk_errors(url, run_id=run_id):
         data = client.export(run_id)
     _dump(data)
@@ -290,9 +303,93 @@ def signal(run_id: str, name: str, payload: str | None, url: str, key: str | Non
 
 @run.command("cancel")
 @click.argument("run_id", metavar="RUN")
+@click.option("--reason", default=None, metavar="TEXT",
+              help="why (journaled, and the run's error message in its status)")
 @client_options
-def cancel(run_id: str, url: str, key: str | None) -> None:
+def cancel(run_id: str, reason: str | None, url: str, key: str | None) -> None:
     """Cancel a run: its running steps' leases end with run_terminal."""
     with connect(url, key) as client, sdk_errors(url, run_id=run_id):
-        client.cancel(run_id)
-    click.echo(printable(f"run {run_id} cancelled"))
+        client.cancel(run_id, reason)
+    click.echo(printable(f"run {run_id} cancelled" + (f": {reason}" if reason else "")))
+
+
+@run.command("retry")
+@click.argument("run_id", metavar="RUN")
+@click.option("--watch", is_flag=True, help="then show the journal live until the run ends")
+@click.option("--json", "as_json", is_flag=True,
+              help='print {"run_id", "status", "step_id"} as JSON')
+@client_options
+def retry(run_id: str, watch: bool, as_json: bool, url: str, key: str | None) -> None:
+    """Resume a failed run at the step it failed on, with a fresh retry budget.
+
+    Refused (exit 4) for a run that is not failed, one that failed on a
+    budget (budgets still apply: it would breach it again) and one whose
+    deadline has passed.
+    """
+    with connect(url, key) as client, sdk_errors(url, run_id=run_id):
+        answer = client.retry(run_id)
+        if as_json:
+            _json_line(answer)
+        else:
+            click.echo(printable(f"run {run_id} resumed at step {answer['step_id']!r}: "
+                                 f"{answer['status']}"))
+        if watch:
+            from stepd.cli.watch import watch_run
+
+            watch_run(client, run_id, as_json=as_json)
+
+
+@run.command("fork")
+@click.argument("run_id", metavar="RUN")
+@click.option("--from-step", "from_step", required=True, metavar="S",
+              help="a completed step: the fork keeps the history up to its last completion "
+                   "and goes on with the step after it")
+@click.option("--idempotency-key", default=None, metavar="K",
+              help="a key used before returns that fork instead of making another")
+@click.option("--watch", is_flag=True, help="then show the fork's journal live until it ends")
+@click.option("--json", "as_json", is_flag=True,
+              help='print {"run_id", "created", "forked_from"} as JSON')
+@client_options
+def fork(run_id: str, from_step: str, idempotency_key: str | None, watch: bool, as_json: bool,
+         url: str, key: str | None) -> None:
+    """Start a new run from a completed step of RUN; print the new run's id.
+
+    The new run has RUN's journal up to that step, its state, step outputs and
+    budget usage as they were then; the two are linked (forked_from / forks
+    in 'stepd run status' and 'stepd run export').
+    """
+    with connect(url, key) as client, sdk_errors(url, run_id=run_id):
+        handle = client.fork(run_id, from_step, idempotency_key=idempotency_key)
+        if as_json:
+            _json_line({"run_id": handle.run_id, "created": handle.created,
+                        "forked_from": {"run_id": run_id, "step_id": from_step}})
+        else:
+            if not handle.created:
+                click.echo(printable(f"note: idempotency key {idempotency_key!r} was used "
+                                     f"before: {handle.run_id} is that fork"), err=True)
+            click.echo(printable(handle.run_id))
+    if watch:
+        from stepd.cli.watch import watch_run
+
+        with connect(url, key) as client, sdk_errors(url, run_id=handle.run_id):
+            watch_run(client, handle.run_id, as_json=as_json)
+
+
+@run.command("watch")
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="print the events as JSON lines")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=0.25, show_default=True,
+              metavar="SECONDS", help="how often the journal is read")
+@client_options
+def watch(run_id: str, as_json: bool, interval: float, url: str, key: str | None) -> None:
+    """Show a run's journal live, with a progress line, until the run ends.
+
+    A progress line (status, steps done of known, budgets used of their
+    limits, tokens) stays at the bottom of a terminal; to a pipe, plain lines
+    (and a 'progress:' line when it changes). Exit 0 when the run completes,
+    7 when it fails, is cancelled or times out.
+    """
+    from stepd.cli.watch import watch_run
+
+    with connect(url, key) as client, sdk_errors(url, run_id=run_id):
+        watch_run(client, run_id, as_json=as_json, interval=interval)

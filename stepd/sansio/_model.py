@@ -128,11 +128,18 @@ class TaskStep:
     delivery: Delivery = Delivery.AT_LEAST_ONCE
     cost_units: int = 1
     next: str | None = None
-    session: str | None = None  # a worker session of the definition (AFFINITY.md)
+    session: str | None = None  # a worker session of the definition (docs/affinity.md)
+    local: bool = False
+    total_timeout_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form, every default present (``session`` only when set: the
-        hash of a definition without sessions is what it always was)."""
+        """The wire form, every default present.
+
+        ``session`` appears only when set, ``local`` and ``total_timeout_ms``
+        only on a local step, so the ``definition_hash`` of every definition
+        without sessions or local steps is what it was before they existed
+        (docs/affinity.md).
+        """
         out = {
             "id": self.id,
             "kind": self.kind.value,
@@ -146,6 +153,9 @@ class TaskStep:
         }
         if self.session is not None:
             out["session"] = self.session
+        if self.local:
+            out["local"] = True
+            out["total_timeout_ms"] = self.total_timeout_ms
         return out
 
 

@@ -56,6 +56,8 @@ _STEP_KEYS: Final[Mapping[StepKind, tuple[str, ...]]] = {
         "cost_units",
         "_next_step",
         "session",
+        "local",
+        "total_timeout_ms",
     ),
     StepKind.FOR_EACH: (
         "id",
@@ -221,6 +223,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
             session=_optional_name(obj.get("session"), f"{where}.session"),
+            **_local_options(obj, where),
         )
     if kind is StepKind.FOR_EACH:
         return ForEachStep(
@@ -482,6 +485,30 @@ def _int(value: Any, where: str, *, minimum: int, maximum: int = MAX_INT) -> int
     if value > maximum:
         raise Invalid(f"must be at most {maximum}, got {_show(value)}", field=where)
     return int(value)
+
+
+def _local_options(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A task's ``local`` and ``total_timeout_ms`` (AFFINITY.md "Local steps").
+
+    A local body may run again when its worker is lost before the daemon
+    commits the parent's completion, so ``at_most_once`` cannot be local; the
+    total timeout bounds all attempts of one local step and means nothing to
+    an ordinary lease, so it needs ``local``. A local step runs in the worker
+    of the step before it, never routed, so it cannot belong to a worker
+    session (whose steps go to the session's holder).
+    """
+    local = _bool(obj.get("local", False), f"{where}.local")
+    total = _optional_int(obj.get("total_timeout_ms"), f"{where}.total_timeout_ms", minimum=1,
+                          maximum=MAX_DURATION_MS)
+    if total is not None and not local:
+        raise Invalid("needs \"local\": true", field=f"{where}.total_timeout_ms")
+    if local and obj.get("delivery") == Delivery.AT_MOST_ONCE.value:
+        raise Invalid("a local step may run again after a lost worker: it must be at_least_once",
+                      field=f"{where}.delivery")
+    if local and obj.get("session") is not None:
+        raise Invalid("a local step runs where the step before it ran: it cannot be pinned "
+                      "to a worker session's holder", field=f"{where}.session")
+    return {"local": local, "total_timeout_ms": total}
 
 
 def _optional_int(value: Any, where: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:

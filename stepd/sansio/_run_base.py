@@ -2,7 +2,9 @@
 
 `RunMachine` (`run.py`) is built in layers, each its own module and class so
 no class holds the whole machine: `_RunBase` (state, journal, budgets,
-endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <- `_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
+endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <-
+`_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
+`_RunLocal` (`_run_local.py`: local steps' lease plan and records) <-
 `_RunEvents` (`_run_events.py`: one handler per event) <- `RunMachine`
 (`run.py`: creation, queries, the dispatch table, the status view).
 """

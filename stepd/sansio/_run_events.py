@@ -18,17 +18,18 @@ from ._run_base import (
     MAX_TOKEN_TOTAL,
     _jump_of,
     _retry_of,
+    iso_ms,
     span_id_for,
     trace_id_for,
 )
-from ._run_steps import _RunSteps
+from ._run_local import _RunLocal
 from .definition import (
     Delivery,
     ForEachStep,
     StartWorkflowsStep,
     TaskStep,
 )
-from .errors import Fenced, Invalid
+from .errors import Fenced, Invalid, NotRetryable
 from .events import (
     AttemptCompleted,
     AttemptFailed,
@@ -43,6 +44,7 @@ from .events import (
     Cancel,
     ChildFinished,
     InternalFailure,
+    Retry,
     SignalReceived,
     Tick,
     Transition,
@@ -51,7 +53,7 @@ from .record import slot_key
 from .status import ErrorReason, RunStatus, SlotPhase
 
 
-class _RunEvents(_RunSteps):
+class _RunEvents(_RunLocal):
     __slots__ = ()
 
     # ------------------------------------------------------------------ handlers
@@ -104,6 +106,11 @@ class _RunEvents(_RunSteps):
         }
         if session is not None:
             tr.lease["session"] = session
+        if ev.local_steps and ev.item_index is None:
+            plan = self.plan_for(ev.step_id)
+            if plan:
+                tr.lease["local_steps"] = plan
+                tr.lease["run_input"] = self.record.input
         return tr
 
     def _on_started(self, ev: AttemptStarted, now: int) -> Transition:
@@ -123,6 +130,19 @@ class _RunEvents(_RunSteps):
         return tr
 
     def _on_completed(self, ev: AttemptCompleted, now: int) -> Transition:
+        if not ev.local_steps:
+            return self._completed(ev, now)
+        self._live_slot(ev.step_id, ev.item_index, ev.fence)  # Fenced before anything
+        if ev.item_index is not None:
+            raise Invalid("a for_each item carries no local steps", field="local_steps")
+        snapshot = self._snapshot()
+        try:
+            return self._completed(ev, now)
+        except Invalid:
+            self._restore(snapshot)  # nothing of the completion is applied
+            raise
+
+    def _completed(self, ev: AttemptCompleted, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
         patch = ev.state_patch
         if patch is not None and not isinstance(patch, dict):
@@ -154,10 +174,15 @@ class _RunEvents(_RunSteps):
         )
         slot.phase = SlotPhase.DONE
         if isinstance(step, TaskStep):
+            tr.journal[-1]["output"] = ev.output  # even null: see `_finish_step`
             f.slots.remove(slot)
             nxt = self._finish_step(
                 step, ev.output, tr, now, patch=patch, cost_delta=slot.cost_units, jump=jump,
             )
+            if ev.local_steps:
+                nxt = self._apply_local(nxt, ev.local_steps, {
+                    "parent_step_id": step.id, "lease_id": slot.lease_id,
+                    "worker_id": slot.worker_id}, tr, now)
             if nxt is not None:
                 self._run_steps_from(nxt, tr, now)
             return tr
@@ -175,7 +200,7 @@ class _RunEvents(_RunSteps):
             r.state = {**r.state, **patch}
             r.state_bytes = self._size(r.state)
             self._journal(tr, now, "state_patched", step_id=step.id, item_index=ev.item_index,
-                          keys=sorted(patch))
+                          keys=sorted(patch), values=dict(patch))
         assert ev.item_index is not None
         f.slots.remove(slot)
         f.outputs[ev.item_index] = ev.output
@@ -378,3 +403,36 @@ class _RunEvents(_RunSteps):
         })
         return tr
 
+
+    def _on_retry(self, ev: Retry, now: int) -> Transition:
+        """Enter the failed step again (a new visit: attempt 1 of a fresh retry budget).
+
+        Budgets and the deadline still apply, so a run that failed on a budget
+        (a retry would breach it again: the usage stays) or whose deadline has
+        passed is refused, and nothing changes.
+        """
+        r = self.record
+        error = r.error or {}
+        if error.get("reason") == ErrorReason.BUDGET_EXCEEDED.value:
+            budget = error.get("budget")
+            raise NotRetryable(
+                f"run {r.run_id} failed on its budget {budget} ({error.get('message')}); "
+                "budgets still apply to a retry, which would breach it again: start a new "
+                "run, or fork this one from an earlier step", budget=budget)
+        if r.deadline_at is not None and r.deadline_at <= now:
+            raise NotRetryable(f"run {r.run_id}'s deadline passed at {iso_ms(r.deadline_at)}: "
+                               "a retry would time out at once")
+        step_id = error.get("step_id")
+        index = 0 if step_id is None else self.definition.index_of(step_id)
+        tr = Transition()
+        r.status = RunStatus.RUNNING
+        r.error = None
+        r.begun = True
+        self._journal(tr, now, "run_retried", step_id=self.definition.steps[index].id,
+                      error=error or None)
+        self._run_steps_from(index, tr, now)
+        return tr
+
+    def _retry_refused(self, ev: Retry, now: int) -> Transition:
+        raise NotRetryable(f"run {self.record.run_id} is {self.record.status.value}: only a "
+                           "failed run can be retried")

@@ -230,7 +230,10 @@ class _RunSteps(_RunSessions):
         r = self.record
         if not isinstance(step, TaskStep):
             # Tasks journal their completion with the attempt; the other kinds here.
+            # The output is journaled even when null: the journal alone then
+            # holds the run's history (what a fork copies, `RunMachine.fork`).
             self._journal(tr, now, "step_completed", step_id=step.id, **(note or {}))
+            tr.journal[-1]["output"] = output
         into = getattr(step, "into", None)
         new_state = r.state
         if patch:
@@ -253,10 +256,16 @@ class _RunSteps(_RunSessions):
             keys = sorted(set(patch or ()) | ({into} if into is not None and into_value is not MISSING else set()))
             r.state = new_state
             r.state_bytes = size
-            self._journal(tr, now, "state_patched", step_id=step.id, keys=keys)
+            self._journal(tr, now, "state_patched", step_id=step.id, keys=keys,
+                          values={k: new_state[k] for k in keys})
         r.steps[step.id] = output
         r.result = output
         r.frame = None
+        return self._continue_after(step, jump, tr, now)
+
+    def _continue_after(self, step: Step, jump: str | None, tr: Transition, now: int) -> int | None:
+        """The index of the step after `step` (its `_next_step` jump, its `next`, the one
+        below it), or None when the run ended there (completed, or a jump to no step)."""
         target = jump if jump is not None else step.next
         if target is None:
             index = self.definition.index_of(step.id) + 1

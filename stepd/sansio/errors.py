@@ -11,6 +11,8 @@ The hierarchy is closed and documented here (STYLE.md rule 15)::
     |   +-- Fenced             ``fenced``
     |   +-- RunTerminal        ``run_terminal``
     |   +-- NotStarted         ``not_started``
+    |   +-- NotRetryable       ``not_retryable``: a retry the run refuses (it is not
+    |                          failed, it failed on a budget, its deadline passed)
     +-- IllegalTransition      an event a state machine's table does not allow in
     |                          the current state; nothing was changed
     +-- NotFound               an unknown run, lease or worker (HTTP 404)
@@ -35,6 +37,7 @@ __all__ = [
     "IllegalTransition",
     "Invalid",
     "NotFound",
+    "NotRetryable",
     "NotStarted",
     "RunTerminal",
     "StepdError",
@@ -205,6 +208,23 @@ class NotStarted(Conflict):
     """``complete``/``fail`` of an ``at_most_once`` attempt whose ``started`` never arrived."""
 
     reason = "not_started"
+
+
+class NotRetryable(Conflict):
+    """A retry the run refuses: it is not failed, it failed on a budget (``budget``
+    names it: a retry would breach it again), or its deadline has passed.
+
+    Not one of PROTOCOL.md's four worker rejections: only the retry API answers it.
+
+    Attributes:
+        budget: the budget the run failed on, or None.
+    """
+
+    reason = "not_retryable"
+
+    def __init__(self, message: str = "", *, budget: str | None = None) -> None:
+        super().__init__(message)
+        self.budget = budget
 
 
 class IllegalTransition(StepdError):

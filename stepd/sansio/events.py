@@ -23,6 +23,9 @@ class AttemptOffered:
     lease_id: str
     worker_id: str
     worker_name: str = ""
+    #: The worker declared ``local_steps`` (stepd.sansio.capabilities): its lease
+    #: carries the plan of the local steps that follow (AFFINITY.md "Local steps").
+    local_steps: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,9 @@ class AttemptCompleted:
     state_patch: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None  # {"input_tokens", "output_tokens", "cost_usd"} priced
     spans: tuple[Any, ...] | list[Any] | None = None  # journaled with the completion
+    #: `stepd.sansio.local_steps.LocalRecord` values: local steps run in the worker,
+    #: journaled in the same transition as this completion.
+    local_steps: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +130,16 @@ class ChildFinished:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    message: str = "cancelled"
+    message: str = "cancelled"  # the run's error message: the canceller's reason, if given
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Resume a failed run at the step it failed on, with a fresh retry budget.
+
+    The operator's decision (the retry API), so the step is entered again as
+    a new visit whatever its delivery: budgets and the deadline still apply.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +193,7 @@ Event = (
     | InternalFailure
     | Begin
     | SessionChanged
+    | Retry
 )
 
 # --------------------------------------------------------------------------- effects

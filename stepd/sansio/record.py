@@ -178,6 +178,9 @@ class RunRecord:
     #: status pending | held | lost | expired. The recorded routing a holder
     #: change keeps.
     sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: A fork's origin: ``{"run_id", "step_id", "seq"}`` (the run, the step it
+    #: branched off after, the last journal entry it copied); None otherwise.
+    forked_from: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = self._to_dict()
@@ -189,6 +192,8 @@ class RunRecord:
             d["begun"] = False
         if self.sessions:
             d["ws"] = self.sessions
+        if self.forked_from is not None:
+            d["forked_from"] = self.forked_from
         return d
 
     def _to_dict(self) -> dict[str, Any]:
@@ -261,4 +266,5 @@ class RunRecord:
             depth=d.get("depth", 0),
             begun=d.get("begun", True),
             sessions=d.get("ws") or {},
+            forked_from=d.get("forked_from"),
         )

@@ -36,6 +36,7 @@ from ._run_base import (
     MAX_SIGNAL_BYTES,
     MAX_TOKEN_TOTAL,
     Resolver,
+    _jump_of,
     child_run_id,
     iso_ms,
     span_id_for,
@@ -45,6 +46,7 @@ from ._run_events import _RunEvents
 from .definition import (
     MAX_DURATION_MS,
     Definition,
+    TaskStep,
 )
 from .errors import Fenced, IllegalTransition, Invalid, RunTerminal
 from .events import (
@@ -64,10 +66,12 @@ from .events import (
     Event,
     InternalFailure,
     SessionChanged,
+    Retry,
     SignalReceived,
     Tick,
     Transition,
 )
+from .history import fork_point
 from .record import RunRecord, Slot, slot_key
 from .status import LIVE_PHASES, RunStatus, SlotPhase
 
@@ -166,6 +170,59 @@ class RunMachine(_RunEvents):
             machine._run_steps_from(0, tr, now_ms)
         return machine, tr
 
+
+    @classmethod
+    def fork(
+        cls,
+        *,
+        source: RunRecord,
+        journal: list[dict[str, Any]],
+        definition: Definition,
+        from_step: str,
+        run_id: str,
+        now_ms: int,
+        idempotency_key: str | None = None,
+        resolve: Resolver | None = None,
+        max_depth: int = DEFAULT_MAX_CHILD_DEPTH,
+    ) -> tuple[RunMachine, Transition]:
+        """A new run that starts where `source` was right after the last completion of
+        `from_step` (like DBOS's fork): its journal up to there copied (same seqs),
+        then ``run_forked``, then the step after `from_step` entered.
+
+        The state, step outputs, visits, fences and budget usage are what they
+        were then (`history.fork_point`): budgets count the copied history too.
+        Input and correlation are the source's; the deadline is the
+        definition's, from now; signals the source had buffered are not
+        carried over. The fork is a top-level run (no parent).
+
+        Raises:
+            Invalid: (``from_step``) no such step, or it has not completed.
+            Unprocessable: the source's journal cannot be forked (see `fork_point`).
+        """
+        point = fork_point(journal, definition, from_step)
+        deadline = definition.deadline_ms
+        record = RunRecord(
+            run_id=run_id, workflow=source.workflow, version=source.version,
+            definition_hash=source.definition_hash, input=source.input, created_at=now_ms,
+            correlation=source.correlation, idempotency_key=idempotency_key,
+            updated_at=now_ms, deadline_at=None if deadline is None else now_ms + deadline,
+            state=point.state, steps=point.steps, result=point.output, visits=point.visits,
+            fences=point.fences, transitions=point.transitions, cost_units=point.cost_units,
+            started_workflows=point.started_workflows, state_bytes=cls._size(point.state),
+            input_tokens=point.input_tokens, output_tokens=point.output_tokens,
+            cost_usd=point.cost_usd, seq=point.seq,
+            forked_from={"run_id": source.run_id, "step_id": from_step, "seq": point.seq},
+        )
+        machine = cls(record, definition, resolve, max_depth=max_depth)
+        tr = Transition(journal=[dict(e) for e in point.journal])
+        machine._journal(tr, now_ms, "run_forked", from_run_id=source.run_id,
+                         from_step=from_step, from_seq=point.seq, idempotency_key=idempotency_key)
+        step = definition.step(from_step)
+        jump = _jump_of(point.output) if isinstance(step, TaskStep) else None
+        nxt = machine._continue_after(step, jump, tr, now_ms)
+        if nxt is not None:
+            machine._run_steps_from(nxt, tr, now_ms)
+        return machine, tr
 
     # ------------------------------------------------------------------ queries
 
@@ -296,6 +353,8 @@ class RunMachine(_RunEvents):
             "updated_at": iso_ms(r.updated_at),
             "deadline_at": None if r.deadline_at is None else iso_ms(r.deadline_at),
             "parent_run_id": None if r.parent is None else r.parent["run_id"],
+            "forked_from": None if r.forked_from is None else {
+                "run_id": r.forked_from["run_id"], "step_id": r.forked_from["step_id"]},
         }
 
 
@@ -342,6 +401,7 @@ TRANSITIONS: dict[tuple[RunStatus, type], tuple[str, tuple[RunStatus, ...]]] = {
     (S, SessionChanged): ("_on_session_changed", (S, F)),
     (W, ChildFinished): ("_on_child_ignored", (W,)),
     (S, ChildFinished): ("_on_child_ignored", (S,)),
+    (F, Retry): ("_on_retry", _NEXT),
 }
 for _s in (W, S):
     # Attempt events for a step the run has left: answered `fenced`, as in
@@ -352,6 +412,8 @@ for _s in (W, S):
 for _s in _TERMINAL:
     TRANSITIONS[(_s, Tick)] = ("_on_tick_terminal", (_s,))
     TRANSITIONS[(_s, ChildFinished)] = ("_on_child_ignored", (_s,))
+for _s in (R, W, S, C, X, T):
+    TRANSITIONS[(_s, Retry)] = ("_retry_refused", ())  # 409 not_retryable: only failed runs
 del _s, _ev
 
 #: Events that, on a terminal run, are the caller's race with the run's end

@@ -263,6 +263,11 @@ async def test_a_session_definition_names_the_bad_field(tmp_path: Path) -> None:
         with pytest.raises(Invalid) as exc:
             await d.register_worker(definitions=[bad])
         assert exc.value.field == "definitions[0].steps[0].session"
+        bad = flow("s8")
+        bad["steps"][2]["local"] = True  # local: runs where `go` ran, not on the holder
+        with pytest.raises(Invalid) as exc:
+            await d.register_worker(definitions=[bad])
+        assert exc.value.field == "definitions[0].steps[2].session"
 
 
 async def test_a_daemon_restart_grants_the_holder_a_full_lease(tmp_path: Path) -> None:
@@ -282,3 +287,79 @@ async def test_a_daemon_restart_grants_the_holder_a_full_lease(tmp_path: Path) -
         answer = await d.session_renew(sid, holder)  # still the holder: it may renew
         assert answer["generation"] == 1
         assert record(d, sid)["expires_at"] == before["expires_at"]
+
+
+@pytest.mark.parametrize("declaration", [
+    {"protocol_version": "1.17"},
+    {"protocol_version": "1.20", "capabilities": [],
+     "manifest": {cap: {"status": "rejected"} for cap in ("local_steps", "sessions", "sticky")}},
+])
+async def test_renew_and_close_go_through_the_capability_gate(
+        tmp_path: Path, declaration: dict[str, Any]) -> None:
+    async with daemon(tmp_path) as (d, clock):
+        holder = await register(d, flow("s10"), "a100")
+        await d.start_run("s10", {})
+        lease = (await claim_some(d, holder, clock))[0]
+        sid = lease["session"]["session_id"]
+        before = record(d, sid)
+        answer = await d.register_worker(definitions=[flow("s10")], **declaration)
+        plain = str(answer["worker_id"])
+        for call in (d.session_renew, d.session_close):
+            with pytest.raises(Invalid) as exc:
+                await call(sid, plain)
+            assert exc.value.field == "session_id"
+        assert record(d, sid) == before  # refused: nothing touched
+        # The holder re-registers without the capability: the gate judges what it says now.
+        await d.register_worker(definitions=[flow("s10")], worker_id=holder, **declaration)
+        with pytest.raises(Invalid):
+            await d.session_renew(sid, holder)
+        assert record(d, sid) == before
+
+
+async def test_the_sdk_worker_declares_sessions_in_its_full_manifest(tmp_path: Path) -> None:
+    """The SDK registers as 1.20 with all three capabilities declared; ``sessions``
+    supported (with its resources and max_sessions) only when max_sessions > 0."""
+    import stepd
+
+    holder = stepd.Worker("http://127.0.0.1:1", resources={"gpu": "a100"}, max_sessions=2,
+                          local_steps=True)
+    plain = stepd.Worker("http://127.0.0.1:1")
+    async with daemon(tmp_path) as (d, clock):
+        stored: dict[stepd.Worker, Any] = {}
+        for w in (holder, plain):
+            body = w._register_body()
+            assert body["protocol_version"] == "1.20"
+            body["definitions"] = [flow("s11")]
+            wid = str((await d.register_worker(**body))["worker_id"])
+            stored[w] = d.storage.get(store.WORKERS, wid)
+        mine = stored[holder]
+        assert mine["capabilities"] == ["local_steps", "sessions"]
+        assert mine["manifest"] == {
+            "local_steps": {"status": "supported"},
+            "sessions": {"status": "supported", "resources": {"gpu": "a100"}, "max_sessions": 2},
+            "sticky": {"status": "rejected"}}
+        assert stored[plain]["capabilities"] == []
+        assert stored[plain]["manifest"]["sessions"] == {"status": "rejected"}
+        await d.start_run("s11", {})
+        lease = (await claim_some(d, mine["worker_id"], clock))[0]  # it may hold the session
+        assert lease["session"]["generation"] == 1
+    with pytest.raises(stepd.Invalid) as exc:
+        stepd.Worker("http://127.0.0.1:1", max_sessions=1, protocol_version="1.17")
+    assert exc.value.field == "protocol_version"
+
+
+async def test_retention_deletes_a_pruned_runs_session_records(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as (d, clock):
+        holder = await register(d, flow("s12"), "a100")
+        run_id, _ = await d.start_run("s12", {})
+        kept, _ = await d.start_run("s12", {"other": True})
+        lease = (await claim_some(d, holder, clock))[0]
+        sid = lease["session"]["session_id"]
+        await finish(d, lease)
+        await d.cancel(lease["run_id"])
+        await eventually(lambda: record(d, sid)["status"] == "closed", what="closed")
+        clock.advance(1.0)
+        assert (await d.prune_runs(clock.time_ms()))["deleted"] == 1
+        assert d.storage.get(store.WORK_SESSIONS, sid) is None
+        other = kept if lease["run_id"] == run_id else run_id
+        assert d.storage.get(store.RUNS, other) is not None  # the live run keeps its own

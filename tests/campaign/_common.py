@@ -342,18 +342,23 @@ ROOT = Path(__file__).resolve().parents[2]
 class WorkerProcess:
     """A `tests.campaign._worker_proc` subprocess (SDK worker), stopped by its PID, always reaped.
 
+    ``module`` and ``extra`` run another worker script taking the same arguments
+    (tests/affinity's `_worker_proc`, with its own options after them).
+
     Its stdout lines go to ``lines`` as ``(self, line)`` (``(self, None)`` at its end).
     """
 
     def __init__(self, name: str, url: str, workflow: str, bodies: Path, logs: Path,
                  lines: queue.Queue[tuple[WorkerProcess, str | None]], *,
-                 transport: str = "websocket", concurrency: int = 4) -> None:
+                 transport: str = "websocket", concurrency: int = 4,
+                 module: str = "tests.campaign._worker_proc", extra: tuple[str, ...] = ()
+                 ) -> None:
         self.name = name
         self.log = logs / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEPD_")}
-        cmd = [sys.executable, "-m", "tests.campaign._worker_proc", "--url", url,
+        cmd = [sys.executable, "-m", module, "--url", url,
                "--workflow", workflow, "--bodies", str(bodies), "--transport", transport,
-               "--concurrency", str(concurrency), "--name", name]
+               "--concurrency", str(concurrency), "--name", name, *extra]
         with self.log.open("w") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
                                          text=True, env=env)

@@ -87,8 +87,9 @@ DAEMON_ARGS = ("--lease-ttl-ms", "3000", "--heartbeat-ms", "500", "--recovery-wi
                "--max-request-ms", "2000")
 #: kind (as the test names it) -> how to find its actors in the tree
 KINDS = ("registry", "run", "lease", "session", "timers", "recovery", "/runs", "/leases",
-         "/sessions")
-STATIC = ["/sessions", "/registry", "/runs", "/leases", "/timers", "/recovery"]
+         "/sessions", "/schedules", "retention")
+STATIC = ["/sessions", "/registry", "/runs", "/leases", "/timers", "/schedules", "/recovery",
+          "/retention"]
 GAP_S = (0.025, 0.075)
 BACKLOG = 16
 MAX_TRIES = 60  # kill attempts per counted kill, at most (404s while restarting)

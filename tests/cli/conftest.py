@@ -47,12 +47,29 @@ def double(ctx: stepd.StepContext, item: Any) -> Any:
     return item * 2
 
 
+#: While set, the ``flaky`` body fails (class ``fatal``): a run to retry once it is cleared.
+FLAKY_DOWN = threading.Event()
+
+
+def prepare(ctx: stepd.StepContext, input: Any) -> dict[str, Any]:
+    ctx.patch_state(prepared=input)
+    return {"n": input}
+
+
+def flaky(ctx: stepd.StepContext, input: Any) -> dict[str, Any]:
+    if FLAKY_DOWN.is_set():
+        raise stepd.StepFailure("fatal", "the flaky service is down")
+    return {"done": input}
+
+
 ECHO = (stepd.Workflow("cli_echo", version="cli.v1").then(echo)
         .budget(max_transitions=5, max_cost_units=10))
 WAIT = (stepd.Workflow("cli_wait", version="cli.v1").wait("go", into="go")
         .for_each("${state.go.items}", double, into="doubled")
         .budget(max_state_bytes=200))
 FAIL = stepd.Workflow("cli_fail").then(boom)
+FLAKY = (stepd.Workflow("cli_flaky", version="cli.v1").then(prepare)
+         .then(flaky, input="${steps.prepare}").budget(max_transitions=10))
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +86,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 @pytest.fixture(scope="session")
 def worker(daemon: ServeProcess) -> Iterator[stepd.Worker]:
     w = stepd.Worker(daemon.url, key=ADMIN_KEY, concurrency=8, name="cli-worker",
-                     build_id="cli-b1").register(ECHO, WAIT, FAIL)
+                     build_id="cli-b1").register(ECHO, WAIT, FAIL, FLAKY)
     errors: list[BaseException] = []
 
     def serve() -> None:

@@ -59,7 +59,7 @@ def test_actors_kill_errors(cli: Cli) -> None:
     assert root.stderr.startswith("error: invalid input: field 'path': ")
 
 
-REST = ["/registry", "/runs", "/leases", "/timers", "/recovery"]
+REST = ["/registry", "/runs", "/leases", "/timers", "/schedules", "/recovery", "/retention"]
 
 
 def test_kill_message_names_the_siblings_restarted_with_the_actor() -> None:
@@ -67,7 +67,7 @@ def test_kill_message_names_the_siblings_restarted_with_the_actor() -> None:
 
     assert kill_message("/registry", {"path": "/registry", "restarted": REST}) == (
         "killed /registry; its supervisor restarts it and, with it (rest_for_one), "
-        "/runs, /leases, /timers, /recovery")
+        "/runs, /leases, /timers, /schedules, /recovery, /retention")
     assert kill_message("/runs/r_x", {"path": "/runs/r_x", "restarted": ["/runs/r_x"]}) == (
         "killed /runs/r_x; its supervisor restarts it from storage")
     older = kill_message("/timers", {"path": "/timers"})  # a daemon without "restarted"
@@ -82,10 +82,11 @@ def test_actors_kill_does_not_claim_the_actor_restarts_alone(cli: Cli, client: s
     r = cli("actors", "kill", "/timers")
     assert r.exit_code == 0, r.stderr
     out = r.stdout.strip()
-    # /timers is under the root's rest_for_one: /recovery, started after it, restarts too.
+    # /timers is under the root's rest_for_one: the siblings started after it restart too.
     # A daemon that lists them says so; one that does not must not claim /timers goes alone.
     assert out != "killed /timers; its supervisor restarts it from storage"
-    listed = "killed /timers; its supervisor restarts it and, with it (rest_for_one), /recovery"
+    listed = ("killed /timers; its supervisor restarts it and, with it (rest_for_one), "
+              "/schedules, /recovery, /retention")
     assert out in (listed, kill_message_without_list("/timers")), out
     # A path with no actor (a run that is over is passivated): the daemon's message, as is.
     run = client.start("cli_echo", {"kill": "passivated"})

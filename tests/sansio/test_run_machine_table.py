@@ -2,7 +2,7 @@
 
 Hypothesis drives a run machine through random but plausible event sequences
 (offers of queued slots, starts, completions with jumps and patches, failures
-of every class, losses, signals, ticks at random times, cancels) and checks,
+of every class, losses, signals, ticks at random times, cancels, retries) and checks,
 after every event:
 
 * the resulting status is one `TRANSITIONS` declares for (status, event);
@@ -28,6 +28,7 @@ from stepd.sansio.events import (
     AttemptStarted,
     AttemptUnservable,
     Cancel,
+    Retry,
     SignalReceived,
     Tick,
 )
@@ -92,6 +93,8 @@ def _event(m: RunMachine, kind: int, r: int, n: int, now: int) -> tuple[Any, int
         return Tick(), (deadline if deadline is not None and r % 2 else now + r)
     if kind == 9 and r % 10 == 0:
         return Cancel(), now
+    if kind == 9 and r % 10 == 5:
+        return Retry(), now  # refused unless failed; a retried run goes on with the script
     # a stale or random attempt event, to exercise the rejections
     return AttemptCompleted(step, None, r % 4, None), now
 

@@ -20,7 +20,7 @@ EXPECTED = {
     "embedded", "Embedded", "tune_gc",
     # errors
     "StepdError", "Invalid", "NotFound", "Unauthorized", "Forbidden", "Conflict",
-    "AlreadyApplied", "Fenced", "RunTerminal", "NotStarted", "BudgetExceeded", "TooLarge",
+    "AlreadyApplied", "Fenced", "RunTerminal", "NotStarted", "NotRetryable", "BudgetExceeded", "TooLarge",
     "Unprocessable", "Unavailable", "ServerError", "RunFailed", "RunCancelled", "RunTimedOut",
     "Retryable", "StepFailure", "Cancelled",
     "__version__",
@@ -41,7 +41,7 @@ def test_error_hierarchy() -> None:
                 stepd.ServerError, stepd.RunFailed):
         assert issubclass(cls, stepd.StepdError)
     for cls in (stepd.AlreadyApplied, stepd.Fenced, stepd.RunTerminal, stepd.NotStarted,
-                stepd.BudgetExceeded):
+                stepd.BudgetExceeded, stepd.NotRetryable):
         assert issubclass(cls, stepd.Conflict)
     assert issubclass(stepd.RunCancelled, stepd.RunFailed)
     assert issubclass(stepd.RunTimedOut, stepd.RunFailed)

@@ -2,9 +2,9 @@
 
 A child process (``_crash_child``) writes records with several concurrent
 writers and prints each id only after its ``write`` returned. The parent kills
-it with SIGKILL at a random moment, 0.05-0.5 s after it started (so some kills
-land while it opens the environment, most while it writes, some while the map
-grows), reopens the same directory, and checks that every acknowledged id is
+it with SIGKILL at a random moment, 0.05-0.5 s after it opened its environment
+(one round in four: after it started, so some kills land while it opens the
+environment; most land while it writes, some while the map grows), reopens the same directory, and checks that every acknowledged id is
 there. Rounds accumulate in one directory, so later rounds start from earlier
 data. Alternate rounds run the child on asyncio and on trio.
 
@@ -31,6 +31,7 @@ from stepd.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 24
+READY_WAIT_S = 30.0
 
 
 def _read_lines(stream: object, into: list[str]) -> None:
@@ -54,6 +55,16 @@ def _run_and_kill(data: Path, round_: int, delay: float, stderr_path: Path) -> l
         try:
             reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines))
             reader.start()
+            if round_ % 4 != 3:
+                # Three rounds in four count the delay from "ready" (the environment
+                # is open): on a loaded machine the child's start-up alone can take
+                # longer than the longest delay, and a run of kills during imports
+                # acknowledges nothing. The fourth counts it from the spawn, so
+                # some kills still land while it opens the environment.
+                deadline = time.monotonic() + READY_WAIT_S
+                while "ready" not in lines and proc.poll() is None and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.005)
             time.sleep(delay)
             alive = proc.poll() is None
             os.kill(proc.pid, signal.SIGKILL)

@@ -87,11 +87,14 @@ def test_entry_refuses_bad_fields(kw: dict[str, Any], field: str) -> None:
     assert info.value.field == field
 
 
-def test_actions_are_the_specified_twelve_and_the_consoles_two() -> None:
+def test_actions_are_the_specified_twelve_the_consoles_two_and_retry_fork() -> None:
     assert {a.value for a in AuditAction} == {
         "runs.read", "runs.list", "runs.journal", "runs.export", "runs.result", "runs.start",
         "runs.signal", "runs.cancel", "actors.read", "actors.kill", "audit.read", "workers.read",
         "definitions.read", "stats.read",  # GET /v1/api/definitions, /v1/api/stats (docs/console.md)
+        "runs.retry", "runs.fork",  # POST /v1/api/runs/{run}/retry, /fork (issue 15)
+        "schedules.create", "schedules.list", "schedules.read", "schedules.pause",
+        "schedules.resume", "schedules.delete", "runs.prune",  # docs/schedules.md, docs/storage.md
     }  # fmt: skip
 
 

@@ -229,7 +229,7 @@ def test_killing_a_passivated_run_says_it_is_asleep(http: httpx.Client) -> None:
     r = http.post("/v1/api/actors/kill", json={"path": "/runs/r_nosuchrun"})
     assert r.status_code == 404 and "there is no run" in r.json()["message"]
     r = http.post("/v1/api/actors/kill", json={"path": "/leases"})
-    assert r.json()["restarted"] == ["/leases", "/timers", "/recovery"]
+    assert r.json()["restarted"] == ["/leases", "/timers", "/schedules", "/recovery", "/retention"]
 
 
 def test_idle_workers_are_forgotten_and_connected_ones_listed_first(

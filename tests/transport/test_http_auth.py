@@ -40,6 +40,8 @@ ENDPOINTS: list[tuple[str, str, str, Any, str | None, str | None]] = [
      "runs.start", None),
     ("execute", "POST", f"/v1/api/runs/{RUN}/signal", {"name": "x"}, "runs.signal", RUN),
     ("execute", "POST", f"/v1/api/runs/{RUN}/cancel", {}, "runs.cancel", RUN),
+    ("execute", "POST", f"/v1/api/runs/{RUN}/retry", {}, "runs.retry", RUN),
+    ("execute", "POST", f"/v1/api/runs/{RUN}/fork", {"from_step": "a"}, "runs.fork", RUN),
     ("read", "GET", "/v1/api/runs", None, "runs.list", None),
     ("read", "GET", f"/v1/api/runs/{RUN}", None, "runs.read", RUN),
     ("read", "GET", f"/v1/api/runs/{RUN}/journal", None, "runs.journal", RUN),

@@ -346,7 +346,7 @@ def test_workers_and_actors(http: httpx.Client) -> None:
     assert r.status_code == 200
     # rest_for_one: the root restarts the registry and every later sibling with it.
     assert r.json() == {"path": "/registry", "restarted": [
-        "/registry", "/runs", "/leases", "/timers", "/recovery"]}
+        "/registry", "/runs", "/leases", "/timers", "/schedules", "/recovery", "/retention"]}
     r = http.post("/v1/api/actors/kill", json={"path": "/no/such/actor"})
     assert r.status_code == 404
     r = http.post("/v1/api/actors/kill", json={"path": "registry"})

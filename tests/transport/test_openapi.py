@@ -60,12 +60,21 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("get", "/v1/api/runs/{run}/result"): "read",
     ("post", "/v1/api/runs/{run}/signal"): "execute",
     ("post", "/v1/api/runs/{run}/cancel"): "execute",
+    ("post", "/v1/api/runs/{run}/retry"): "execute",
+    ("post", "/v1/api/runs/{run}/fork"): "execute",
     ("get", "/v1/api/workers"): "read",
     ("get", "/v1/api/audit"): "admin",
     ("get", "/v1/api/actors"): "admin",
     ("post", "/v1/api/actors/kill"): "admin",
     ("get", "/v1/api/definitions"): "read",
     ("get", "/v1/api/stats"): "read",
+    ("post", "/v1/api/schedules"): "execute",
+    ("get", "/v1/api/schedules"): "read",
+    ("get", "/v1/api/schedules/{schedule}"): "read",
+    ("delete", "/v1/api/schedules/{schedule}"): "execute",
+    ("post", "/v1/api/schedules/{schedule}/pause"): "execute",
+    ("post", "/v1/api/schedules/{schedule}/resume"): "execute",
+    ("post", "/v1/api/runs/prune"): "admin",
     ("get", "/healthz"): None,
     ("get", "/metrics"): None,
 }
@@ -249,7 +258,10 @@ def test_definition_schemas_have_exactly_the_parser_keys(doc: dict[str, Any]) ->
         step_schema = resolve(doc, mapping[kind.value])
         assert step_schema["additionalProperties"] is False
         assert step_schema["properties"]["kind"] == {"const": kind.value}
-        assert set(step_schema["properties"]) == set(cls(**minimal[kind]).to_json()), kind
+        # A task's `local` keys are in its filled form only when it is local
+        # (docs/affinity.md): the schema lists every key a step can have.
+        extra = {"local": True} if kind is StepKind.TASK else {}
+        assert set(step_schema["properties"]) == set(cls(**minimal[kind], **extra).to_json()), kind
     assert set(schema(doc, "Retry")["properties"]) == set(RetryPolicy().to_json())
     assert set(schema(doc, "Budgets")["properties"]) == set(Budgets().limits())
     d = parse_definition({"name": "n", "steps": [{"id": "a", "kind": "sleep", "duration_ms": 1}],
@@ -398,7 +410,9 @@ def test_free_json_is_free(validate: Any) -> None:
         ("CompleteRequest", {"output": 1, "statePatch": {}}),
         ("FailRequest", {"error": {"class": "fatal", "stack": "..."}}),
         ("StartedRequest", {"x": 1}),
-        ("CancelRequest", {"reason": "x"}),
+        ("CancelRequest", {"why": "x"}),
+        ("RetryRequest", {"from_step": "a"}),
+        ("ForkRequest", {"from_step": "a", "step": "b"}),
     ],
 )
 def test_request_bodies_refuse_unknown_keys(validate: Any, name: str, body: dict[str, Any]) -> None:
