@@ -26,7 +26,7 @@ import httpx
 import stepd
 from bench._http import LeanHttp
 from bench._procs import start_daemon, start_workers
-from bench._workloads import B_CONCURRENCY, bodies, workflows
+from bench._workloads import B_CONCURRENCY, bodies, sdk_concurrency, workflows
 from stepd import _wire
 
 
@@ -49,6 +49,8 @@ class Setup:
     start_raw: Callable[[str, str | None, Any, str], Awaitable[str]]
     """start(workflow, version, input, idempotency_key) -> run id, by the cheapest path
     (E's population: in process, or `bench._http.LeanHttp` rather than httpx)."""
+    worker_concurrency: int = 0
+    """The concurrency the worker(s) run with (the SDK's default unless a number was given)."""
 
 
 def _runs_actors(tree: dict[str, Any]) -> int:
@@ -68,7 +70,7 @@ async def _register(client: stepd.AsyncClient, defs: list[dict[str, Any]], worke
 
 
 @asynccontextmanager
-async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool = True,
+async def embedded(data: Path, *, concurrency: int | None = B_CONCURRENCY, worker: bool = True,
                    **options: Any) -> AsyncIterator[Setup]:
     async with stepd.embedded(data, **options) as daemon:
         client = stepd.AsyncClient(daemon)
@@ -95,11 +97,15 @@ async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool
         pid = os.getpid()
         setup = Setup("embedded", client, {"process": pid}, pid, commits,
                       "storage.statistics().commits", count, live_leases, active_run_actors,
-                      register, start_raw)
+                      register, start_raw,
+                      sdk_concurrency() if concurrency is None else concurrency)
         async with anyio.create_task_group() as tg:
             w = None
             if worker:
-                w = stepd.Worker(client, concurrency=concurrency, name="bench-embedded")
+                # As a user writes it: stepd.Worker(client), its concurrency the SDK's default
+                # unless the bench was told a number.
+                knobs = {} if concurrency is None else {"concurrency": concurrency}
+                w = stepd.Worker(client, name="bench-embedded", **knobs)
                 w.register(*workflows(), bodies=bodies())
                 await tg.start(w.run)
                 if w.transport != "inprocess":
@@ -116,7 +122,8 @@ _METRIC = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", re.MULTILINE)
 
 
 @asynccontextmanager
-async def network(transport: str, data: Path, log_dir: Path, *, concurrency: int = B_CONCURRENCY,
+async def network(transport: str, data: Path, log_dir: Path, *,
+                  concurrency: int | None = B_CONCURRENCY,
                   workers: int = 1, daemon_args: list[str] = (),  # type: ignore[assignment]
                   tag: str = "") -> AsyncIterator[Setup]:
     daemon, url = await anyio.to_thread.run_sync(
@@ -168,7 +175,8 @@ async def network(transport: str, data: Path, log_dir: Path, *, concurrency: int
         pids["client"] = os.getpid()
         yield Setup(transport, client, pids, daemon.pid, commits,
                     "GET /metrics stepd_commit_batch_size_count", count, live_leases,
-                    active_run_actors, register, start_raw)
+                    active_run_actors, register, start_raw,
+                    sdk_concurrency() if concurrency is None else concurrency)
         for child in (*worker_children, daemon):
             if not child.alive():
                 raise SystemExit(f"bench: {child.name} (pid {child.pid}) died during the run:\n"
