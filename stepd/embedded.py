@@ -26,6 +26,14 @@ async call from another loop through a worker thread.
 
 Leaving the context stops the workers still serving this daemon (bodies not
 done are failed back as ``retryable``), then closes the daemon.
+
+Defaults (issue 16: fast and safe without knobs). The sync form's background
+loop is asyncio on uvloop when it is installed (``uvloop=False``: asyncio's
+own); the async form runs on the caller's loop, so ``uvloop.run(main())`` is
+the caller's choice. While the daemon is open the collector's young threshold
+is raised (``gc="young"``, `stepd.gc_policy.young_threshold`, the host's put
+back on close); ``gc="tuned"`` also freezes (`stepd.tune_gc`), ``gc="default"``
+leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from stepd._errors import translate
+from stepd._errors import Invalid, translate
+from stepd._loop import loop_options
+from stepd.gc_policy import GC_POLICIES, gc_policy
 
 if TYPE_CHECKING:
     from stepd.actors.daemon import Daemon
@@ -86,8 +96,14 @@ class Embedded:
         prices: Any = None,
         audit: bool = False,
         backend: str = "asyncio",
+        gc: str = "young",
+        uvloop: bool = True,
     ) -> None:
+        if gc not in GC_POLICIES:
+            raise Invalid(f"must be one of {', '.join(GC_POLICIES)}", field="gc")
         self.path = Path(path)
+        self._gc = gc
+        self._uvloop = uvloop
         self._settings = {
             k: v for k, v in {
                 "lease_ttl_ms": lease_ttl_ms, "heartbeat_ms": heartbeat_ms,
@@ -193,9 +209,6 @@ class Embedded:
     async def _open(self) -> AsyncIterator[Embedded]:
         from stepd.actors.daemon import Daemon, DaemonConfig
         from stepd.sansio.pricing import PriceBook
-        from stepd.transport.auth import KeyRing
-        from stepd.transport.inprocess import InProcess
-        from stepd.transport.protocol import Protocol
 
         prices = self._prices
         if isinstance(prices, (str, Path)):
@@ -205,14 +218,25 @@ class Embedded:
             settings["prices"] = prices
         config = DaemonConfig(**settings)
         await anyio.to_thread.run_sync(lambda: self.path.mkdir(parents=True, exist_ok=True))
-        async with Daemon.open(str(self.path), config=config) as daemon:
+        with gc_policy(self._gc):
+            async with self._serving(Daemon.open(str(self.path), config=config)):
+                yield self
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, opening: Any) -> AsyncIterator[None]:
+        """The open daemon wired to its protocol and in-process transport, until closed."""
+        from stepd.transport.auth import KeyRing
+        from stepd.transport.inprocess import InProcess
+        from stepd.transport.protocol import Protocol
+
+        async with opening as daemon:
             protocol = Protocol(daemon, keyring=KeyRing.from_config(), audited=self._audit)
             self._daemon, self._protocol = daemon, protocol
             self._inprocess = InProcess(protocol)
             self._token = anyio.lowlevel.current_token()
             self._loop_thread = threading.get_ident()
             try:
-                yield self
+                yield
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._stop_workers()
@@ -237,7 +261,7 @@ class Embedded:
     def __enter__(self) -> Self:
         self._claim_use()
         self._portal_cm = anyio.from_thread.start_blocking_portal(
-            self._backend
+            self._backend, loop_options(self._backend) if self._uvloop else None
         )
         self._portal = self._portal_cm.__enter__()
         try:
@@ -279,6 +303,8 @@ def embedded(
     prices: Any = None,
     audit: bool = False,
     backend: str = "asyncio",
+    gc: str = "young",
+    uvloop: bool = True,
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
@@ -298,14 +324,21 @@ def embedded(
             (off by default: every caller is this process).
         backend: the sync form's event loop, ``"asyncio"`` or ``"trio"`` (the
             async form runs on the caller's).
+        gc: the collector while the daemon is open: ``"young"`` (the young
+            generation's threshold raised, the host's restored on close),
+            ``"tuned"`` (`stepd.tune_gc`: a freeze too, for good) or
+            ``"default"`` (left alone). `stepd.gc_policy` says why.
+        uvloop: the sync form's asyncio loop on uvloop when it is installed
+            (False: asyncio's own loop).
 
     Returns:
         An `Embedded`, to open with ``with`` or ``async with``.
 
     Raises:
-        Invalid: a setting out of range (on entering).
+        Invalid: ``gc`` is not one of the three (at once); a setting out of
+            range (on entering).
         storage errors: the directory is in use or cannot be opened (on entering).
     """
     return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
                     recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
-                    prices=prices, audit=audit, backend=backend)
+                    prices=prices, audit=audit, backend=backend, gc=gc, uvloop=uvloop)
