@@ -116,7 +116,9 @@ def ms(seconds: float) -> float:
 
 
 async def workload_a(s: Setup, runs: int = 20, one_step_runs: int = 20) -> dict[str, Any]:
+    cpu0 = cpu_snapshot(s.pids)
     walls = [await run_seq(s, 20) for _ in range(runs)]
+    cpu1 = cpu_snapshot(s.pids)
     per_step = [w / 20 for w in walls]
     e2e = [await run_seq(s, 1) for _ in range(one_step_runs)]
     return {
@@ -125,6 +127,10 @@ async def workload_a(s: Setup, runs: int = 20, one_step_runs: int = 20) -> dict[
         "wf1_e2e_ms_median": ms(statistics.median(e2e)),
         "wf1_e2e_ms_p95": ms(pct(e2e, 0.95)),
         "runs": runs, "steps_per_wf": 20, "wf1_runs": one_step_runs,
+        # CPU per step of each process over the seq(20) runs: the work, which moves far less
+        # with the machine's load than the wall time does.
+        "cpu_ms_per_step": {k: round((cpu1[k] - cpu0[k]) / (runs * 20) * 1000, 3)
+                            for k in s.pids},
     }
 
 
