@@ -77,12 +77,13 @@ def log(message: str) -> None:
 
 class Output:
     def __init__(self, out: Path | None, quick: bool, daemon_args: Sequence[str] = (),
-                 embedded_gc: str = "default") -> None:
+                 embedded_gc: str = "default", client_loop: str = "asyncio") -> None:
         self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []
         self.quick = quick
         self.daemon_args = list(daemon_args)
         self.embedded_gc = embedded_gc
+        self.client_loop = client_loop
         self.file = out.open("w") if out is not None else None
 
     def emit(self, transport: str | None, workload: str, fields: dict[str, Any]) -> None:
@@ -97,6 +98,8 @@ class Output:
             row["daemon_args"] = self.daemon_args
         if transport == "embedded" and self.embedded_gc != "default":
             row["gc"] = self.embedded_gc
+        if transport is not None and self.client_loop != "asyncio":
+            row["client_loop"] = self.client_loop
         self.add(row)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -236,7 +239,7 @@ def child_main(args: argparse.Namespace, only: set[str]) -> None:
     p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg,
              worker_concurrency=args.worker_concurrency)
     p.update(json.loads(args.params) if args.params else {})
-    out = Output(None, args.quick, args.daemon_arg, args.embedded_gc)
+    out = Output(None, args.quick, args.daemon_arg, args.embedded_gc, args.client_loop)
     if args.transport == "embedded" and args.embedded_gc == "tuned":
         stepd.tune_gc()  # what an embedding application may choose to do (docs/serve.md)
     try:
@@ -466,7 +469,7 @@ def main() -> None:
         interruptible()
         sys.exit(run_vs_restate(args, transports))
     interruptible()
-    out = Output(args.out, args.quick, args.daemon_arg, args.embedded_gc)
+    out = Output(args.out, args.quick, args.daemon_arg, args.embedded_gc, args.client_loop)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="stepd-bench-"))
     failures: list[str] = []

@@ -1,12 +1,16 @@
-"""The three ways `python -m bench` runs stepd, behind one `Setup`.
+"""The three ways `python -m bench` runs stepd, behind one `Setup`, as a user writes them.
 
 * ``embedded``: ``async with stepd.embedded(dir)`` in this process, on this
-  process's event loop (asyncio on uvloop), with a `stepd.Worker` and a
-  `stepd.AsyncClient` on the same loop: one process.
+  process's event loop (``asyncio.run``'s unless ``--client-loop uvloop``), with
+  ``stepd.Worker(client)`` and a `stepd.AsyncClient` on the same loop: one process.
 * ``websocket`` / ``http``: ``python -m stepd serve`` (a subprocess, free
-  loopback port), a worker subprocess (``python -m bench._worker``, its
-  transport forced), and this process as the client (`stepd.AsyncClient`,
-  HTTP/1.1 keep-alive).
+  loopback port, its defaults), a worker subprocess (``python -m bench._worker``:
+  ``stepd.Worker(url)``, its transport forced, ``serve()``), and this process as
+  the client (`stepd.AsyncClient`, HTTP/1.1 keep-alive).
+
+The worker's concurrency is the SDK's default unless the bench is given one
+(``--worker-concurrency``, ``--tuned``): issue 16 asks for the figures a user
+gets without knobs.
 """
 
 from __future__ import annotations

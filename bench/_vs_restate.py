@@ -196,7 +196,7 @@ def run_vs_restate(args: argparse.Namespace, transports: list[str]) -> int:
         return 2
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out_path = args.out or Path(f"vs-restate-{stamp}.jsonl")
-    out = Output(out_path, False, args.daemon_arg, args.embedded_gc)
+    out = Output(out_path, False, args.daemon_arg, args.embedded_gc, args.client_loop)
     tmp = Path(tempfile.mkdtemp(prefix="stepd-vs-restate-"))
     failures: list[str] = []
     cycles: list[list[dict[str, Any]]] = []
