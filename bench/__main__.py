@@ -363,6 +363,15 @@ def reap_leftovers(tmp: Path) -> None:
         kill_pid(pid)
 
 
+def clean_up(tmp: Path, keep: bool) -> None:
+    """After a run: stop what a child left behind, then remove the temp dir (unless kept)."""
+    reap_leftovers(tmp)
+    if keep:
+        log(f"kept {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def machine() -> dict[str, Any]:
     model = ""
     try:
@@ -517,11 +526,7 @@ def main() -> None:
                 th.join()
             reap_leftovers(tmp)
     finally:
-        reap_leftovers(tmp)
-        if args.keep:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        clean_up(tmp, args.keep)
     took = time.perf_counter() - t0
     out.emit(None, "run", {"seconds": round(took, 1), "transports": transports,
                            "workloads": sorted(only), "failures": failures})

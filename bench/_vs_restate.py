@@ -187,7 +187,7 @@ def _commit(head: str = "HEAD") -> str:
 
 def run_vs_restate(args: argparse.Namespace, transports: list[str]) -> int:
     """The whole side-by-side run; the exit status (1: a failure, a wrong result)."""
-    from bench.__main__ import Output, machine, reap_leftovers, run_child
+    from bench.__main__ import Output, clean_up, machine, reap_leftovers, run_child
     from bench.engine import synced_commit_baseline
 
     peers = peers_dir(args.peers_dir)
@@ -235,13 +235,7 @@ def run_vs_restate(args: argparse.Namespace, transports: list[str]) -> int:
                     out.add({"engine": "vs-restate", "workload": "ratio", **tag, **row})
                 cycles.append(ratios)
     finally:
-        reap_leftovers(tmp)
-        if args.keep:
-            log(f"kept {tmp}")
-        else:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+        clean_up(tmp, args.keep)
     medians = median_ratios(cycles)
     for row in medians:
         out.add({"engine": "vs-restate", "workload": "ratio_median", **row})
