@@ -2,7 +2,7 @@
 
 ::
 
-    worker = stepd.Worker(client, concurrency=8).register(support)
+    worker = stepd.Worker(client).register(support)     # 100 slots by default
     worker.serve()                 # blocks (any thread); worker.stop() from elsewhere
     await worker.run()             # or inside an event loop (asyncio or trio)
 
@@ -93,6 +93,12 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("stepd.worker")
 
+DEFAULT_CONCURRENCY: Final = 100
+"""Slots of a worker by default (issue 16). At 8, one worker process held B (1000 x seq(3),
+100 runs in flight) to a fraction of what the daemon can do, and cost more CPU per step on
+both sides (credit and leases trickle in small batches); at 100 a worker takes what one
+client keeps in flight. Slots cost nothing until used: runner tasks and the sync bodies'
+threads are made on demand. Temporal's Python SDK defaults to 100 activity slots too."""
 DEFAULT_GRACE_S: Final = 10.0
 DEFAULT_TIMEOUT_S: Final = 10.0
 
@@ -122,7 +128,9 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions, Loca
             are used; the worker opens its own connections), a daemon URL, or an
             embedded daemon (`stepd.embedded`).
         concurrency: bodies run at once (async and sync together); sync bodies
-            run in a thread pool of this size.
+            run in a thread pool of this size (threads made on demand). Default
+            100 (`DEFAULT_CONCURRENCY`); lower it for bodies that each hold much
+            memory or a scarce resource.
         name: the worker's name in the journal and ``workers()``; default
             ``<hostname>-<pid>``.
         build_id: an identifier of this worker's code build, sent at register.
@@ -156,7 +164,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions, Loca
     def __init__(
         self,
         target: Client | AsyncClient | Embedded | str,
-        concurrency: int = 8,
+        concurrency: int = DEFAULT_CONCURRENCY,
         name: str | None = None,
         build_id: str | None = None,
         *,
