@@ -82,12 +82,13 @@ def log(message: str) -> None:
 
 class Output:
     def __init__(self, out: Path | None, quick: bool, daemon_args: Sequence[str] = (),
-                 embedded_gc: str = "default") -> None:
+                 embedded_gc: str = "default", client_loop: str = "asyncio") -> None:
         self.lock = threading.Lock()
         self.rows: list[dict[str, Any]] = []
         self.quick = quick
         self.daemon_args = list(daemon_args)
         self.embedded_gc = embedded_gc
+        self.client_loop = client_loop
         self.file = out.open("w") if out is not None else None
 
     def emit(self, transport: str | None, workload: str, fields: dict[str, Any]) -> None:
@@ -102,6 +103,8 @@ class Output:
             row["daemon_args"] = self.daemon_args
         if transport == "embedded" and self.embedded_gc != "default":
             row["gc"] = self.embedded_gc
+        if transport is not None and self.client_loop != "asyncio":
+            row["client_loop"] = self.client_loop
         self.add(row)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -124,11 +127,13 @@ async def main_workloads(transport: str, only: set[str], p: dict[str, Any], tmp:
     """A, B+D, C, durability on one daemon + worker (fresh data directory)."""
     data = tmp / f"{transport}-main"
     endpoint = p.get("otlp_endpoint")
+    conc = p["worker_concurrency"]
     if transport == "embedded":
-        setup_cm = _setups.embedded(data, otlp_endpoint=endpoint)
+        setup_cm = _setups.embedded(data, concurrency=conc, otlp_endpoint=endpoint)
     else:
         extra = [] if endpoint is None else ["--otlp-endpoint", endpoint]
-        setup_cm = _setups.network(transport, data, tmp, daemon_args=[*p["daemon_args"], *extra])
+        setup_cm = _setups.network(transport, data, tmp, concurrency=conc,
+                                   daemon_args=[*p["daemon_args"], *extra])
     async with setup_cm as s:
         log(f"{transport}: warm-up (3 x seq(1), 2 x seq(20))")
         await warm_up(s)
@@ -243,16 +248,23 @@ def interruptible() -> None:
 
 
 def child_main(args: argparse.Namespace, only: set[str]) -> None:
-    """One section in this (fresh) process: its JSON lines on stdout, exit 1 on failure."""
+    """One section in this (fresh) process: its JSON lines on stdout, exit 1 on failure.
+
+    The process is the client (and, embedded, the whole host) as a user writes it:
+    ``asyncio.run`` (plain asyncio; ``--client-loop uvloop`` for uvloop), the process's
+    GC as CPython leaves it (``--embedded-gc tuned``: `stepd.tune_gc` first).
+    """
     interruptible()
     p = dict(QUICK if args.quick else FULL, daemon_args=args.daemon_arg,
-             otlp_endpoint=args.otlp_endpoint)
-    out = Output(None, args.quick, args.daemon_arg, args.embedded_gc)
+             otlp_endpoint=args.otlp_endpoint, worker_concurrency=args.worker_concurrency)
+    p.update(json.loads(args.params) if args.params else {})
+    out = Output(None, args.quick, args.daemon_arg, args.embedded_gc, args.client_loop)
     if args.transport == "embedded" and args.embedded_gc == "tuned":
         stepd.tune_gc()  # what an embedding application may choose to do (docs/serve.md)
     try:
         anyio.run(run_section, args.child, args.transport, only, p, Path(args.tmp), out,
-                  args.f_workers, backend="asyncio", backend_options={"use_uvloop": True})
+                  args.f_workers, backend="asyncio",
+                  backend_options={"use_uvloop": args.client_loop == "uvloop"})
     except BenchFailure as exc:
         out.emit(args.transport, "failure", {"section": args.child, "message": str(exc)})
         sys.exit(1)
@@ -270,16 +282,23 @@ SECTION_TIMEOUT_S = {"main": 600, "E": 900, "F": 400, "G": 600}
 
 def run_child(section: str, transport: str, args: argparse.Namespace, only: set[str],
               tmp: Path, out: Output, tag: dict[str, Any] | None = None,
-              extra: Sequence[str] = ()) -> list[str]:
-    """Run one section in a child process (``extra``: more of its arguments); its rows go
-    to `out` (with `tag` added); returns its failures."""
-    cmd = [sys.executable, "-m", "bench", "--child", section, "--transport", transport,
+              extra: Sequence[str] = (), prefix: Sequence[str] = (),
+              params: dict[str, Any] | None = None) -> list[str]:
+    """Run one section in a child process; its rows go to `out` (with `tag` added);
+    returns its failures. ``extra``: more of its arguments; ``prefix`` runs it under
+    another command (``ip netns exec NS``, which execs: the PID stays the child's);
+    ``params`` overrides workload sizes."""
+    cmd = [*prefix, sys.executable, "-m", "bench", "--child", section, "--transport", transport,
            "--only", ",".join(sorted(only)), "--tmp", str(tmp), "--f-workers", str(args.f_workers),
            *extra]
     if args.quick:
         cmd.append("--quick")
     cmd += [f"--daemon-arg={a}" for a in args.daemon_arg]
-    cmd += ["--embedded-gc", args.embedded_gc]
+    cmd += ["--embedded-gc", args.embedded_gc, "--client-loop", args.client_loop]
+    if args.worker_concurrency is not None:
+        cmd += ["--worker-concurrency", str(args.worker_concurrency)]
+    if params:
+        cmd += ["--params", json.dumps(params)]
     env = dict(os.environ, **{PIDS_ENV: str(tmp / "pids")})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     failures: list[str] = []
@@ -366,6 +385,15 @@ def reap_leftovers(tmp: Path) -> None:
         kill_pid(pid)
 
 
+def clean_up(tmp: Path, keep: bool) -> None:
+    """After a run: stop what a child left behind, then remove the temp dir (unless kept)."""
+    reap_leftovers(tmp)
+    if keep:
+        log(f"kept {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def machine() -> dict[str, Any]:
     model = ""
     try:
@@ -383,7 +411,7 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "kernel": platform.release()}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="under a minute: fewer runs, 3 s idle window, E 10,000, F 200 x 10 s")
@@ -397,6 +425,7 @@ def main() -> None:
                         help=f"F over the network: worker processes sharing the leases ({F_WORKERS})")
     parser.add_argument("--child", choices=["main", "E", "F", "G"], help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    parser.add_argument("--params", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run A-D this many times per transport (taking turns, each on a "
                              "fresh daemon) and report the median of the per-run figures")
@@ -404,8 +433,16 @@ def main() -> None:
                         help="one more argument for `stepd serve` (repeatable; e.g. "
                              "--daemon-arg=--gc --daemon-arg=default); recorded in the rows")
     parser.add_argument("--embedded-gc", choices=["default", "tuned"], default="default",
-                        help="embedded: leave the process's GC as it is (default, as stepd.embedded "
-                             "does) or call stepd.tune_gc() first; recorded in the rows")
+                        help="embedded: leave the process's GC as stepd.embedded leaves it "
+                             "(default) or call stepd.tune_gc() first; recorded in the rows")
+    parser.add_argument("--client-loop", choices=["asyncio", "uvloop"], default="asyncio",
+                        help="the client's (and the embedded host's) event loop: asyncio as "
+                             "asyncio.run gives it (default, what a user writes), or uvloop")
+    parser.add_argument("--worker-concurrency", type=int, default=None, metavar="N",
+                        help="the worker's slots in A-D (default: stepd.Worker's own default)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="the knobs bench used before issue 16: client on uvloop, worker "
+                             "concurrency 128, embedded host with stepd.tune_gc()")
     parser.add_argument("--otlp", action="store_true",
                         help="run each A-D section twice, OpenTelemetry export off and on "
                              "(to a local OTLP/HTTP sink, bench._otlp_sink), taking turns; "
@@ -413,7 +450,26 @@ def main() -> None:
     parser.add_argument("--otlp-endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (data, daemon and worker logs)")
-    args = parser.parse_args()
+    vs = parser.add_argument_group("--vs-restate: Restate and stepd side by side, in cycles")
+    vs.add_argument("--vs-restate", action="store_true",
+                    help="each cycle: Restate (../shared/bench/peers/run-restate.sh), then stepd "
+                         "on websocket, http, embedded; A-D; per-cycle ratios and their medians")
+    vs.add_argument("--cycles", type=int, default=3, help="--vs-restate cycles (3)")
+    vs.add_argument("--a-runs", type=int, default=20, help="A: runs of seq(20) and of seq(1) (20)")
+    vs.add_argument("--b-count", type=int, default=1000, help="B: workflows of seq(3) (1000)")
+    vs.add_argument("--idle-seconds", type=float, default=30.0, help="C: the idle window (30)")
+    vs.add_argument("--settle", type=float, default=5.0, help="C: the settle before it (5)")
+    vs.add_argument("--peers-dir", type=Path, default=None,
+                    help="the peers' folder (default: ../shared/bench/peers from the repo)")
+    vs.add_argument("--netns", default=None,
+                    help="use this network namespace (made by you) instead of making one")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, set[str], list[str]]:
+    """The arguments, the workloads and the transports; argparse exits on a bad one."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     only = {w.strip() for w in args.only.split(",") if w.strip()}
     only = {"durability" if w.lower() in ("durability", "dur") else w.upper() for w in only}
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
@@ -426,11 +482,32 @@ def main() -> None:
             parser.error(f"unknown transport {t!r}; expected {', '.join(TRANSPORTS)}")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.cycles < 1:
+        parser.error("--cycles must be at least 1")
+    if args.worker_concurrency is not None and args.worker_concurrency < 1:
+        parser.error("--worker-concurrency must be at least 1")
+    if args.a_runs < 1 or args.b_count < 1 or args.idle_seconds <= 0 or args.settle < 0:
+        parser.error("--a-runs and --b-count must be at least 1, --idle-seconds above 0")
+    if args.tuned:
+        args.client_loop = "uvloop"
+        args.embedded_gc = "tuned"
+        if args.worker_concurrency is None:
+            args.worker_concurrency = 128
+    return args, only, transports
+
+
+def main() -> None:
+    args, only, transports = parse_args()
     if args.child:
         child_main(args, only)
         return
+    if args.vs_restate:
+        from bench._vs_restate import run_vs_restate
+
+        interruptible()
+        sys.exit(run_vs_restate(args, transports))
     interruptible()
-    out = Output(args.out, args.quick, args.daemon_arg, args.embedded_gc)
+    out = Output(args.out, args.quick, args.daemon_arg, args.embedded_gc, args.client_loop)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="stepd-bench-"))
     failures: list[str] = []
@@ -490,11 +567,7 @@ def main() -> None:
                 th.join()
             reap_leftovers(tmp)
     finally:
-        reap_leftovers(tmp)
-        if args.keep:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        clean_up(tmp, args.keep)
     took = time.perf_counter() - t0
     out.emit(None, "run", {"seconds": round(took, 1), "transports": transports,
                            "workloads": sorted(only), "failures": failures})

@@ -237,15 +237,17 @@ def start_daemon(data: Path, log_dir: Path, extra: list[str] = (), name: str = "
     return child, found.group(1)
 
 
-def start_workers(url: str, transport: str, concurrency: int, log_dir: Path,
+def start_workers(url: str, transport: str, concurrency: int | None, log_dir: Path,
                   names: list[str]) -> list[Child]:
     """``python -m bench._worker`` processes (a `stepd.Worker` each), started together,
-    all registered when this returns."""
+    all registered when this returns. ``concurrency`` None: the SDK's default."""
     children: list[Child] = []
     try:
         for name in names:
             cmd = [sys.executable, "-m", "bench._worker", url, "--transport", transport,
-                   "--concurrency", str(concurrency), "--name", name]
+                   "--name", name]
+            if concurrency is not None:
+                cmd += ["--concurrency", str(concurrency)]
             children.append(Child(name, cmd, log_dir))
         for child in children:
             found = child.wait_line(r"^ready (\S+)", 30)

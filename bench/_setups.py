@@ -1,12 +1,16 @@
-"""The three ways `python -m bench` runs stepd, behind one `Setup`.
+"""The three ways `python -m bench` runs stepd, behind one `Setup`, as a user writes them.
 
 * ``embedded``: ``async with stepd.embedded(dir)`` in this process, on this
-  process's event loop (asyncio on uvloop), with a `stepd.Worker` and a
-  `stepd.AsyncClient` on the same loop: one process.
+  process's event loop (``asyncio.run``'s unless ``--client-loop uvloop``), with
+  ``stepd.Worker(client)`` and a `stepd.AsyncClient` on the same loop: one process.
 * ``websocket`` / ``http``: ``python -m stepd serve`` (a subprocess, free
-  loopback port), a worker subprocess (``python -m bench._worker``, its
-  transport forced), and this process as the client (`stepd.AsyncClient`,
-  HTTP/1.1 keep-alive).
+  loopback port, its defaults), a worker subprocess (``python -m bench._worker``:
+  ``stepd.Worker(url)``, its transport forced, ``serve()``), and this process as
+  the client (`stepd.AsyncClient`, HTTP/1.1 keep-alive).
+
+The worker's concurrency is the SDK's default unless the bench is given one
+(``--worker-concurrency``, ``--tuned``): issue 16 asks for the figures a user
+gets without knobs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import stepd
 from bench import _otlp
 from bench._http import LeanHttp
 from bench._procs import start_daemon, start_workers
-from bench._workloads import B_CONCURRENCY, bodies, workflows
+from bench._workloads import B_CONCURRENCY, bodies, sdk_concurrency, workflows
 from stepd import _wire
 
 
@@ -53,6 +57,8 @@ class Setup:
     (E's population: in process, or `bench._http.LeanHttp` rather than httpx)."""
     export_stats: Callable[[], Awaitable[dict[str, int]]]
     """The daemon's span export counts (``stepd_otel_export``), {} when export is off."""
+    worker_concurrency: int = 0
+    """The concurrency the worker(s) run with (the SDK's default unless a number was given)."""
 
 
 def _runs_actors(tree: dict[str, Any]) -> int:
@@ -72,7 +78,7 @@ async def _register(client: stepd.AsyncClient, defs: list[dict[str, Any]], worke
 
 
 @asynccontextmanager
-async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool = True,
+async def embedded(data: Path, *, concurrency: int | None = B_CONCURRENCY, worker: bool = True,
                    **options: Any) -> AsyncIterator[Setup]:
     async with stepd.embedded(data, **options) as daemon:
         client = stepd.AsyncClient(daemon)
@@ -107,11 +113,15 @@ async def embedded(data: Path, *, concurrency: int = B_CONCURRENCY, worker: bool
             pids["otel_export"] = child
         setup = Setup("embedded", client, pids, pid, commits,
                       "storage.statistics().commits", count, live_leases, active_run_actors,
-                      register, start_raw, export_stats)
+                      register, start_raw, export_stats,
+                      sdk_concurrency() if concurrency is None else concurrency)
         async with anyio.create_task_group() as tg:
             w = None
             if worker:
-                w = stepd.Worker(client, concurrency=concurrency, name="bench-embedded")
+                # As a user writes it: stepd.Worker(client), its concurrency the SDK's default
+                # unless the bench was told a number.
+                knobs = {} if concurrency is None else {"concurrency": concurrency}
+                w = stepd.Worker(client, name="bench-embedded", **knobs)
                 w.register(*workflows(), bodies=bodies())
                 await tg.start(w.run)
                 if w.transport != "inprocess":
@@ -128,7 +138,8 @@ _METRIC = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", re.MULTILINE)
 
 
 @asynccontextmanager
-async def network(transport: str, data: Path, log_dir: Path, *, concurrency: int = B_CONCURRENCY,
+async def network(transport: str, data: Path, log_dir: Path, *,
+                  concurrency: int | None = B_CONCURRENCY,
                   workers: int = 1, daemon_args: list[str] = (),  # type: ignore[assignment]
                   tag: str = "") -> AsyncIterator[Setup]:
     daemon, url = await anyio.to_thread.run_sync(
@@ -188,7 +199,8 @@ async def network(transport: str, data: Path, log_dir: Path, *, concurrency: int
             pids["otel_export"] = child
         yield Setup(transport, client, pids, daemon.pid, commits,
                     "GET /metrics stepd_commit_batch_size_count", count, live_leases,
-                    active_run_actors, register, start_raw, export_stats)
+                    active_run_actors, register, start_raw, export_stats,
+                    sdk_concurrency() if concurrency is None else concurrency)
         for child in (*worker_children, daemon):
             if not child.alive():
                 raise SystemExit(f"bench: {child.name} (pid {child.pid}) died during the run:\n"

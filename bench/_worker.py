@@ -1,7 +1,9 @@
 """The worker process of `python -m bench`: ``python -m bench._worker URL --transport T``.
 
 A `stepd.Worker` forced to one transport (``websocket`` or ``http``), serving
-the bench's workflows (`bench._workloads.workflows`). It prints
+the bench's workflows (`bench._workloads.workflows`), written as a user writes
+it: ``stepd.Worker(url)`` with the SDK's default concurrency (unless
+``--concurrency`` is given) and ``worker.serve()``. It prints
 ``ready <transport> <worker_id>`` once registered, then serves until SIGTERM
 (graceful stop: the SDK's own signal handling).
 """
@@ -20,11 +22,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("--transport", required=True, choices=["websocket", "http"])
-    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="slots; default: stepd.Worker's own default")
     parser.add_argument("--name", default="bench-worker")
     args = parser.parse_args()
-    worker = stepd.Worker(args.url, concurrency=args.concurrency, name=args.name,
-                          transport=args.transport)
+    knobs = {} if args.concurrency is None else {"concurrency": args.concurrency}
+    worker = stepd.Worker(args.url, name=args.name, transport=args.transport, **knobs)
     worker.register(*workflows(), bodies=bodies())
 
     def announce() -> None:

@@ -8,6 +8,7 @@ Any wrong or lost result raises `BenchFailure`.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 import uuid
@@ -25,8 +26,15 @@ from bench.sdk import pct, seq
 if TYPE_CHECKING:
     from bench._setups import Setup
 
-B_CONCURRENCY = 128
-"""The worker's concurrency for A-D (and E's none): one process, 128 slots."""
+B_CONCURRENCY: int | None = None
+"""The worker's concurrency for A-D: None is `stepd.Worker`'s own default, what a user gets
+(``--worker-concurrency`` or ``--tuned`` set a number: 128 before issue 16)."""
+
+
+def sdk_concurrency() -> int:
+    """`stepd.Worker`'s default concurrency (what ``stepd.Worker(url)`` runs with)."""
+    default = inspect.signature(stepd.Worker).parameters["concurrency"].default
+    return int(default)
 
 INFLIGHT = 100
 """At most this many start requests (then result waits) in flight in B, E and F."""
@@ -108,7 +116,9 @@ def ms(seconds: float) -> float:
 
 
 async def workload_a(s: Setup, runs: int = 20, one_step_runs: int = 20) -> dict[str, Any]:
+    cpu0 = cpu_snapshot(s.pids)
     walls = [await run_seq(s, 20) for _ in range(runs)]
+    cpu1 = cpu_snapshot(s.pids)
     per_step = [w / 20 for w in walls]
     e2e = [await run_seq(s, 1) for _ in range(one_step_runs)]
     return {
@@ -117,6 +127,10 @@ async def workload_a(s: Setup, runs: int = 20, one_step_runs: int = 20) -> dict[
         "wf1_e2e_ms_median": ms(statistics.median(e2e)),
         "wf1_e2e_ms_p95": ms(pct(e2e, 0.95)),
         "runs": runs, "steps_per_wf": 20, "wf1_runs": one_step_runs,
+        # CPU per step of each process over the seq(20) runs: the work, which moves far less
+        # with the machine's load than the wall time does.
+        "cpu_ms_per_step": {k: round((cpu1[k] - cpu0[k]) / (runs * 20) * 1000, 3)
+                            for k in s.pids},
     }
 
 
@@ -142,7 +156,8 @@ async def gather_limited(items: list[Any], fn: Callable[[Any], Awaitable[Any]],
     return out
 
 
-async def workload_b(s: Setup, workflows_n: int = 1000, steps: int = 3) -> tuple[dict[str, Any], dict[str, Any]]:
+async def workload_b(s: Setup, workflows_n: int = 1000, steps: int = 3
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """B (throughput) and D (peak RSS during B, sampled every 50 ms)."""
     wf = SEQ[steps]
     want = expected(steps)
@@ -176,7 +191,7 @@ async def workload_b(s: Setup, workflows_n: int = 1000, steps: int = 3) -> tuple
         "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in s.pids},
         "cpu_pct_of_wall": {k: round((cpu1[k] - cpu0[k]) / total * 100, 1) for k in s.pids},
         "start_phase_s": round(t_started - t0, 3),
-        "worker_concurrency": B_CONCURRENCY, "max_in_flight": INFLIGHT,
+        "worker_concurrency": s.worker_concurrency, "max_in_flight": INFLIGHT,
     }
     d = {"peak_rss_mb": rss.peak_mb(), "samples": rss.samples, "interval_ms": 50, "during": "B",
          "rss_detail_mb_after": {k: rss_detail_mb(pid) for k, pid in s.pids.items()}}

@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("Span", "StepContext", "current_context"), "stepd.context"),
     **dict.fromkeys(("Embedded", "embedded"), "stepd.embedded"),
     "Worker": "stepd.worker",
+    "SessionAcquired": "stepd._work_sessions",
     "tune_gc": "stepd.gc_policy",
     **dict.fromkeys(("Retry", "Workflow", "body"), "stepd.workflow"),
 }
@@ -75,6 +76,7 @@ __all__ = [
     "RunTerminal",
     "RunTimedOut",
     "ServerError",
+    "SessionAcquired",
     "Span",
     "StepContext",
     "StepFailure",
@@ -157,5 +159,6 @@ if TYPE_CHECKING:
     from stepd.context import Span, StepContext, current_context
     from stepd.embedded import Embedded, embedded
     from stepd.gc_policy import tune_gc
+    from stepd._work_sessions import SessionAcquired
     from stepd.worker import Worker
     from stepd.workflow import Retry, Workflow, body

@@ -53,8 +53,10 @@ class Connections:
     _ready_thread: threading.Event
     _task_status: Any
 
-    if TYPE_CHECKING:  # `stepd._sticky.StickyHistory`
-        def _sticky_manifest(self) -> dict[str, Any] | None: ...
+    if TYPE_CHECKING:
+        def _sessions_manifest(self) -> dict[str, Any] | None: ...  # `_work_sessions`
+
+        def _sticky_manifest(self) -> dict[str, Any] | None: ...  # `_sticky`
 
     def _init_connections(self) -> None:
         self._channel: Channel | None = None
@@ -146,6 +148,7 @@ class Connections:
             "definitions": [d.wire for d in self._defs.values()],
         }
         body.update(capability_declaration(self.protocol_version, local_steps=self.local_steps,
+                                           sessions=self._sessions_manifest(),
                                            sticky=self._sticky_manifest()))
         if self.build_id is not None:
             body["build_id"] = self.build_id

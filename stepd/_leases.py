@@ -109,6 +109,7 @@ class LeaseProtocol(LeaseCalls):
 
         def _body_ends(self, active: Active) -> None: ...
 
+        async def _enter_session(self, lease: dict[str, Any]) -> tuple[Any, ...] | None: ...
         async def _run_local(self, active: Active, parent_output: Any) -> None: ...
 
         async def _sticky_history(self, active: Active) -> None: ...
@@ -414,6 +415,10 @@ class LeaseProtocol(LeaseCalls):
             args = (ctx, lease.get("input"), lease.get("steps") or {})
         # The daemon's trace, continued here when the application uses OpenTelemetry.
         ctx._otel = _otel_context.parent_for(lease.get("trace_id"), lease.get("span_id"))
+        if "session" in lease:  # a worker session's step: its holder restores resources first
+            refused = await self._enter_session(lease)
+            if refused is not None:
+                return refused
         try:
             if body.is_async:
                 token = _current_ctx.set(ctx)

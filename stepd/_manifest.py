@@ -6,14 +6,16 @@ worker declares each of ``local_steps``, ``sessions`` and ``sticky`` as
 what it supports. A worker declares only what is implemented *and enabled*
 (the manifest's truthfulness is a scenario of tests/affinity/scenarios.toml):
 this SDK marks ``local_steps`` supported only on a worker started with
-``local_steps=True``, ``sticky`` only on one with a sticky cache
-(``sticky_cache_capacity > 0``; its entry then states the cache settings,
-`stepd._sticky`), and rejects ``sessions``, which it does not implement here.
-Below 1.18 it declares nothing, as a 1.17 worker does.
+``local_steps=True``, ``sessions`` only on one started with ``max_sessions``
+above 0 (its entry then carries ``resources`` and ``max_sessions``), and
+``sticky`` only on one with a sticky cache (``sticky_cache_capacity > 0``; its
+entry then states the cache settings, `stepd._sticky`). Below 1.18 it declares
+nothing, as a 1.17 worker does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 from stepd._errors import Invalid
@@ -32,7 +34,8 @@ def _version(value: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def check_protocol_version(value: Any, local_steps: bool, sticky: bool = False) -> str:
+def check_protocol_version(value: Any, local_steps: bool, sessions: bool = False,
+                           sticky: bool = False) -> str:
     """Validate the worker's ``protocol_version`` option against what it enables.
 
     Raises:
@@ -41,7 +44,8 @@ def check_protocol_version(value: Any, local_steps: bool, sticky: bool = False) 
     version = _version(value)
     if version is None:
         raise Invalid('must be a "MAJOR.MINOR" string such as "1.20"', field="protocol_version")
-    for name, on in (("local_steps", local_steps), ("sticky execution", sticky)):
+    for name, on in (("local_steps", local_steps), ("max_sessions", sessions),
+                     ("sticky execution", sticky)):
         if on and version < MIN_CAPABILITY_VERSION:
             raise Invalid(f"{name} needs protocol version 1.18 or later",
                           field="protocol_version")
@@ -49,20 +53,27 @@ def check_protocol_version(value: Any, local_steps: bool, sticky: bool = False) 
 
 
 def capability_declaration(protocol_version: str, *, local_steps: bool,
-                           sticky: dict[str, Any] | None = None) -> dict[str, Any]:
+                           sessions: Mapping[str, Any] | None = None,
+                           sticky: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``capabilities`` and ``manifest`` fields of the register body (empty below 1.18).
 
     Args:
+        sessions: the ``sessions`` manifest entry's details (``resources``,
+            ``max_sessions``) on a worker that holds worker sessions; None: it
+            holds none, and ``sessions`` is declared rejected.
         sticky: the worker's sticky cache settings (``capacity``, ``max_bytes``,
             ``ttl_ms``, maybe ``schedule_ms``), or None: sticky execution is off.
     """
     version = _version(protocol_version)
     if version is None or version < MIN_CAPABILITY_VERSION:
         return {}
-    enabled = {"local_steps": local_steps, "sticky": sticky is not None}
+    details = {"sessions": sessions, "sticky": sticky}
+    enabled = {"local_steps": local_steps, "sessions": sessions is not None,
+               "sticky": sticky is not None}
     manifest: dict[str, dict[str, Any]] = {
         cap: {"status": "supported" if enabled.get(cap) else "rejected"} for cap in CAPABILITIES}
-    if sticky is not None:
-        manifest["sticky"].update(sticky)
+    for cap, entry in details.items():
+        if entry is not None:
+            manifest[cap].update(entry)
     return {"capabilities": [cap for cap in CAPABILITIES if enabled.get(cap)],
             "manifest": manifest}

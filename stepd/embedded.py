@@ -26,6 +26,14 @@ async call from another loop through a worker thread.
 
 Leaving the context stops the workers still serving this daemon (bodies not
 done are failed back as ``retryable``), then closes the daemon.
+
+Defaults (issue 16: fast and safe without knobs). The sync form's background
+loop is asyncio on uvloop when it is installed (``uvloop=False``: asyncio's
+own); the async form runs on the caller's loop, so ``uvloop.run(main())`` is
+the caller's choice. While the daemon is open the collector's young threshold
+is raised (``gc="young"``, `stepd.gc_policy.young_threshold`, the host's put
+back on close); ``gc="tuned"`` also freezes (`stepd.tune_gc`), ``gc="default"``
+leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from stepd._errors import translate
+from stepd._errors import Invalid, translate
+from stepd._loop import loop_options
+from stepd.gc_policy import GC_POLICIES, gc_policy
 
 if TYPE_CHECKING:
     from stepd.actors.daemon import Daemon
@@ -87,8 +97,14 @@ class Embedded:
         audit: bool = False,
         backend: str = "asyncio",
         otlp_endpoint: str | None = None,
+        gc: str = "young",
+        uvloop: bool = True,
     ) -> None:
+        if gc not in GC_POLICIES:
+            raise Invalid(f"must be one of {', '.join(GC_POLICIES)}", field="gc")
         self.path = Path(path)
+        self._gc = gc
+        self._uvloop = uvloop
         self._settings = {
             k: v for k, v in {
                 "lease_ttl_ms": lease_ttl_ms, "heartbeat_ms": heartbeat_ms,
@@ -196,9 +212,6 @@ class Embedded:
         from stepd.actors.daemon import Daemon, DaemonConfig
         from stepd.otel import open_export
         from stepd.sansio.pricing import PriceBook
-        from stepd.transport.auth import KeyRing
-        from stepd.transport.inprocess import InProcess
-        from stepd.transport.protocol import Protocol
 
         prices = self._prices
         if isinstance(prices, (str, Path)):
@@ -208,15 +221,26 @@ class Embedded:
             settings["prices"] = prices
         config = DaemonConfig(**settings)
         await anyio.to_thread.run_sync(lambda: self.path.mkdir(parents=True, exist_ok=True))
-        async with (open_export(self._otlp_endpoint) as trace,
-                    Daemon.open(str(self.path), config=config, trace=trace) as daemon):
+        with gc_policy(self._gc):
+            async with open_export(self._otlp_endpoint) as trace:
+                async with self._serving(Daemon.open(str(self.path), config=config, trace=trace)):
+                    yield self
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, opening: Any) -> AsyncIterator[None]:
+        """The open daemon wired to its protocol and in-process transport, until closed."""
+        from stepd.transport.auth import KeyRing
+        from stepd.transport.inprocess import InProcess
+        from stepd.transport.protocol import Protocol
+
+        async with opening as daemon:
             protocol = Protocol(daemon, keyring=KeyRing.from_config(), audited=self._audit)
             self._daemon, self._protocol = daemon, protocol
             self._inprocess = InProcess(protocol)
             self._token = anyio.lowlevel.current_token()
             self._loop_thread = threading.get_ident()
             try:
-                yield self
+                yield
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._stop_workers()
@@ -241,7 +265,7 @@ class Embedded:
     def __enter__(self) -> Self:
         self._claim_use()
         self._portal_cm = anyio.from_thread.start_blocking_portal(
-            self._backend
+            self._backend, loop_options(self._backend) if self._uvloop else None
         )
         self._portal = self._portal_cm.__enter__()
         try:
@@ -284,6 +308,8 @@ def embedded(
     audit: bool = False,
     backend: str = "asyncio",
     otlp_endpoint: str | None = None,
+    gc: str = "young",
+    uvloop: bool = True,
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
@@ -305,15 +331,22 @@ def embedded(
             async form runs on the caller's).
         otlp_endpoint: export runs, step attempts and body spans over OTLP/HTTP
             to this collector (docs/otel.md; needs ``pip install 'stepd[otel]'``).
+        gc: the collector while the daemon is open: ``"young"`` (the young
+            generation's threshold raised, the host's restored on close),
+            ``"tuned"`` (`stepd.tune_gc`: a freeze too, for good) or
+            ``"default"`` (left alone). `stepd.gc_policy` says why.
+        uvloop: the sync form's asyncio loop on uvloop when it is installed
+            (False: asyncio's own loop).
 
     Returns:
         An `Embedded`, to open with ``with`` or ``async with``.
 
     Raises:
-        Invalid: a setting out of range, or ``otlp_endpoint`` without the
-            OpenTelemetry packages (on entering).
+        Invalid: ``gc`` is not one of the three (at once); a setting out of
+            range, or ``otlp_endpoint`` without the OpenTelemetry packages (on entering).
         storage errors: the directory is in use or cannot be opened (on entering).
     """
     return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
                     recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
-                    prices=prices, audit=audit, backend=backend, otlp_endpoint=otlp_endpoint)
+                    prices=prices, audit=audit, backend=backend, otlp_endpoint=otlp_endpoint,
+                    gc=gc, uvloop=uvloop)

@@ -24,16 +24,31 @@ Memory is bounded the same way as before: only cyclic garbage waits longer
 under bench B and E is unchanged within noise.
 
 ``stepd serve`` calls it at startup (``--gc default`` keeps CPython's
-settings). An embedded daemon lives in your process, so stepd leaves your
-collector alone; call `tune_gc` yourself at startup if throughput matters
-and nothing else in the process depends on the defaults.
+settings).
+
+An embedded daemon lives in your process, so it does only the half that
+cannot hurt a host: `young_threshold` raises the young generation's
+threshold while the daemon is open and puts the host's back when it closes
+(``stepd.embedded(path, gc="young")``, the default). Cyclic garbage of the
+host is still collected, at most 10,000 allocations later; nothing is frozen.
+The freeze stays a choice of the application (``gc="tuned"``, or
+`tune_gc` at its own startup): it is what made the difference in bench B
+(issue 16: CPU per embedded B ~10 % lower with either, and a freeze is
+permanent for what is alive at that moment, a host's objects included).
+``gc="default"`` leaves the collector alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
-__all__ = ["YOUNG_THRESHOLD", "tune_gc"]
+__all__ = ["GC_POLICIES", "YOUNG_THRESHOLD", "gc_policy", "tune_gc", "young_threshold"]
+
+GC_POLICIES = ("young", "tuned", "default")
+"""What ``stepd.embedded(gc=...)`` accepts: the young threshold while open (default),
+`tune_gc` (freeze too, for good), or the collector left as it is."""
 
 YOUNG_THRESHOLD = 10_000
 """Allocations (minus deallocations) between two young collections."""
@@ -48,3 +63,35 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+@contextlib.contextmanager
+def young_threshold() -> Iterator[None]:
+    """The young generation's threshold at `YOUNG_THRESHOLD` inside, the host's after.
+
+    Restored only if nobody changed it meanwhile (a host that set its own wins).
+    Nothing is frozen and the older generations keep their thresholds.
+    """
+    before = gc.get_threshold()
+    if before[0] == 0 or before[0] >= YOUNG_THRESHOLD:  # collection off, or higher already
+        yield
+        return
+    ours = (YOUNG_THRESHOLD, *before[1:])
+    gc.set_threshold(*ours)
+    try:
+        yield
+    finally:
+        if gc.get_threshold() == ours:
+            gc.set_threshold(*before)
+
+
+@contextlib.contextmanager
+def gc_policy(policy: str) -> Iterator[None]:
+    """One of `GC_POLICIES` for the duration of an embedded daemon (`tune_gc` stays)."""
+    if policy == "young":
+        with young_threshold():
+            yield
+        return
+    if policy == "tuned":
+        tune_gc()
+    yield

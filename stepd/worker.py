@@ -2,7 +2,7 @@
 
 ::
 
-    worker = stepd.Worker(client, concurrency=8).register(support)
+    worker = stepd.Worker(client).register(support)     # 100 slots by default
     worker.serve()                 # blocks (any thread); worker.stop() from elsewhere
     await worker.run()             # or inside an event loop (asyncio or trio)
 
@@ -79,6 +79,7 @@ from stepd._local import LocalSteps
 from stepd._manifest import PROTOCOL_VERSION, check_protocol_version
 from stepd._serving import Serving
 from stepd._sticky import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_TTL_S, StickyHistory
+from stepd._work_sessions import SessionAcquired, WorkSessions
 from stepd.actors import Waiter, current_time
 from stepd.workflow import Workflow
 
@@ -93,6 +94,12 @@ __all__ = ["Worker"]
 
 log = logging.getLogger("stepd.worker")
 
+DEFAULT_CONCURRENCY: Final = 100
+"""Slots of a worker by default (issue 16). At 8, one worker process held B (1000 x seq(3),
+100 runs in flight) to a fraction of what the daemon can do, and cost more CPU per step on
+both sides (credit and leases trickle in small batches); at 100 a worker takes what one
+client keeps in flight. Slots cost nothing until used: runner tasks and the sync bodies'
+threads are made on demand. Temporal's Python SDK defaults to 100 activity slots too."""
 DEFAULT_GRACE_S: Final = 10.0
 DEFAULT_TIMEOUT_S: Final = 10.0
 
@@ -114,7 +121,8 @@ def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 # --------------------------------------------------------------------------- the worker
 
 
-class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, StickyHistory):
+class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions, LocalSteps,
+             StickyHistory):
     """Serves the step bodies of registered workflows.
 
     Args:
@@ -122,7 +130,9 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
             are used; the worker opens its own connections), a daemon URL, or an
             embedded daemon (`stepd.embedded`).
         concurrency: bodies run at once (async and sync together); sync bodies
-            run in a thread pool of this size.
+            run in a thread pool of this size (threads made on demand). Default
+            100 (`DEFAULT_CONCURRENCY`); lower it for bodies that each hold much
+            memory or a scarce resource.
         name: the worker's name in the journal and ``workers()``; default
             ``<hostname>-<pid>``.
         build_id: an identifier of this worker's code build, sent at register.
@@ -131,13 +141,20 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
             ``"websocket"`` or ``"http"``. Ignored for an embedded daemon.
         grace: seconds `stop` lets running bodies finish, by default.
         timeout: seconds a connection attempt or a request may take.
+        resources: what this worker offers worker sessions (``{"gpu": "a100"}``);
+            a session is created on a worker whose resources match its requirements.
+        max_sessions: how many worker sessions it holds at once; 0 (default): none
+            (docs/affinity.md "Worker sessions").
+        on_session_acquired: called with a `SessionAcquired` before the first step
+            of each session this worker acquires (also `Worker.on_session_acquired`).
         local_steps: run a workflow's ``"local": true`` steps inside this worker,
             right after the task step before them (AFFINITY.md "Local steps";
             `stepd._local`). Off by default: local steps then come as ordinary
             leases. Declared at register in the capability manifest.
         protocol_version: the protocol version to register with (default: the
             newest this SDK speaks, 1.20). Below 1.18 the worker declares no
-            capability: ``local_steps`` must be off and a sticky cache empty.
+            capability: ``local_steps``, ``max_sessions`` and
+            ``sticky_cache_capacity`` must be off.
         worker_id: register as this already registered worker (a replacement
             process taking over its identity: its leases, its sticky routing).
         sticky_cache_capacity: runs whose history the sticky cache keeps; 0
@@ -158,7 +175,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
     def __init__(
         self,
         target: Client | AsyncClient | Embedded | str,
-        concurrency: int = 8,
+        concurrency: int = DEFAULT_CONCURRENCY,
         name: str | None = None,
         build_id: str | None = None,
         *,
@@ -166,6 +183,9 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
         transport: str = "auto",
         grace: float = DEFAULT_GRACE_S,
         timeout: float = DEFAULT_TIMEOUT_S,
+        resources: Mapping[str, Any] | None = None,
+        max_sessions: int = 0,
+        on_session_acquired: Callable[[SessionAcquired], Any] | None = None,
         local_steps: bool = False,
         protocol_version: str = PROTOCOL_VERSION,
         worker_id: str | None = None,
@@ -213,8 +233,6 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
         self.worker_id: str | None = worker_id
         self._init_sticky(sticky_cache_capacity, sticky_cache_bytes, sticky_cache_ttl,
                           sticky_schedule_ms)
-        self.protocol_version = check_protocol_version(protocol_version, self.local_steps,
-                                                       self.sticky_cache is not None)
         self._defs: dict[tuple[str, str | None], Definition] = {}
 
         # Thread-safe control (stop() from any thread).
@@ -244,6 +262,10 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
         self._threads: anyio.CapacityLimiter | None = None
         self._init_connections()
         self._init_heartbeats()
+        self._init_work_sessions(resources, max_sessions, on_session_acquired)
+        self.protocol_version = check_protocol_version(protocol_version, self.local_steps,
+                                                       sessions=self.max_sessions > 0,
+                                                       sticky=self.sticky_cache is not None)
 
     def __repr__(self) -> str:
         where = self.url or repr(self._daemon)
@@ -417,6 +439,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, LocalSteps, Sticky
                 active.scope.cancel()  # a sync body's thread is abandoned
         while self.running > 0:
             await self._wait_slots()
+        await self._close_sessions()
         self._finish()
 
     def _finish(self) -> None:

@@ -38,6 +38,7 @@ from stepd.sansio.definition import (
 )
 from stepd.sansio.durations import Duration, parse_duration
 from stepd.sansio.errors import Invalid
+from stepd.sansio.session_spec import parse_sessions
 
 __all__ = ["BodyConfig", "Retry", "Workflow", "body", "body_config"]
 
@@ -187,6 +188,7 @@ class Workflow:
         "_deadline_ms",
         "_ids",
         "_name",
+        "_sessions",
         "_steps",
         "_version",
     )
@@ -207,6 +209,7 @@ class Workflow:
         self._bodies: dict[str, BodyFn] = {}
         self._budgets: dict[str, int | None] = {}
         self._deadline_ms: int | None = None
+        self._sessions: dict[str, dict[str, Any]] = {}
         self._cached: Definition | None = None
 
     def __repr__(self) -> str:
@@ -225,6 +228,7 @@ class Workflow:
         delivery: Delivery | str = Delivery.AT_LEAST_ONCE,
         cost_units: int | None = None,
         next: str | None = None,
+        session: str | None = None,
         local: bool = False,
         total_timeout: Duration | None = None,
     ) -> Workflow:
@@ -242,6 +246,8 @@ class Workflow:
             cost_units: this step's cost units (>= 0); None takes the body's
                 declared value, else 1.
             next: the step to go to after this one (a step id or ``"$end"``).
+            session: a worker session declared with `session` (its steps all go
+                to the worker holding it; docs/affinity.md).
             local: run this step inside the worker that ran the task step before
                 it, with no round trip (AFFINITY.md "Local steps"; only on a
                 worker started with ``local_steps=True``, else an ordinary lease).
@@ -262,6 +268,8 @@ class Workflow:
             "cost_units": self._cost_units(cost_units, fn),
         }
         self._task_options(raw, retry, timeout, next, index)
+        if session is not None:
+            raw["session"] = session
         if local or total_timeout is not None:
             raw["local"] = local
             raw["total_timeout_ms"] = self._duration(total_timeout, index, "total_timeout")
@@ -281,6 +289,7 @@ class Workflow:
         delivery: Delivery | str = Delivery.AT_LEAST_ONCE,
         cost_units: int | None = None,
         next: str | None = None,
+        session: str | None = None,
     ) -> Workflow:
         """Add a for_each step: one attempt of ``body`` per item of ``items``.
 
@@ -292,8 +301,9 @@ class Workflow:
             max_parallel: at most this many items at once (>= 1); None for no limit.
             input: each item's input; defaults to the item (``"${item}"``, and
                 ``${item_index}`` is the item's 0-based index).
-            retry, timeout, delivery, cost_units, next: as in `then`, per item
-                (``cost_units`` counts once per item).
+            retry, timeout, delivery, cost_units, next, session: as in `then`, per
+                item (``cost_units`` counts once per item; a session's
+                ``max_concurrent`` bounds the items in flight).
 
         Raises:
             Invalid: as in `then`.
@@ -312,6 +322,8 @@ class Workflow:
             "cost_units": self._cost_units(cost_units, fn),
         }
         self._task_options(raw, retry, timeout, next, index)
+        if session is not None:
+            raw["session"] = session
         return self._add(raw, body_name, fn)
 
     def wait(
@@ -454,6 +466,30 @@ class Workflow:
         self._cached = None
         return self
 
+    def session(self, name: str, *, requirements: dict[str, Any] | None = None,
+                queue: str | None = None, lease_ms: int | None = None,
+                ttl_ms: int | None = None, max_concurrent: int | None = None,
+                reacquire: str | None = None) -> Workflow:
+        """Declare a worker session (the definition's ``sessions`` block; AFFINITY.md):
+        steps given ``session=name`` run on one worker whose resources match
+        ``requirements``. Omitted options take the daemon's defaults.
+
+        Raises:
+            Invalid: a bad option (``field`` ``sessions.<name>.<option>``).
+        """
+        spec: dict[str, Any] = {"requirements": dict(requirements or {})}
+        for key, value in (("queue", queue), ("lease_ms", lease_ms), ("ttl_ms", ttl_ms),
+                           ("max_concurrent", max_concurrent), ("reacquire", reacquire)):
+            if value is not None:
+                spec[key] = value
+        try:
+            parse_sessions({**self._sessions, name: spec})
+        except Invalid as exc:
+            raise exc.with_location(definition=self._name) from None
+        self._sessions[name] = spec
+        self._cached = None
+        return self
+
     def deadline(self, duration: Duration | None) -> Workflow:
         """Bound each run's total duration (``deadline_ms``); None removes the bound.
 
@@ -524,6 +560,8 @@ class Workflow:
             raw["budgets"] = self._budgets
         if self._deadline_ms is not None:
             raw["deadline_ms"] = self._deadline_ms
+        if self._sessions:
+            raw["sessions"] = self._sessions
         return raw
 
     def _fail(self, message: str, field: str) -> Invalid:

@@ -22,7 +22,7 @@ from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 
-from ._validate import encode_json
+from ._json import encode_json
 
 __all__ = ["LINGER_S", "HttpProtocol", "WebSocketProtocol", "http_protocol"]
 

@@ -135,6 +135,10 @@ _LEASE_ROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
     )
 }
 _LEASE_ROUTES["history"] = ("/v1/api/steps/{lease}/history", {"GET": Operation.HISTORY})
+_SESSION_ROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
+    name: (f"/v1/api/sessions/{{session}}/{name}", {"POST": _as_handler(op)})
+    for name, op in (("renew", Operation.SESSION_RENEW), ("close", Operation.SESSION_CLOSE))
+}
 _RUN_ROUTE: Final[tuple[str, dict[str, Handler]]] = (
     "/v1/api/runs/{run}", {"GET": Operation.GET_RUN})
 _RUN_SUBROUTES: Final[dict[str, tuple[str, dict[str, Handler]]]] = {
@@ -182,6 +186,13 @@ def route(path: str) -> Route | None:
         parts = path[len("/v1/api/steps/"):].split("/")
         if len(parts) == 2 and parts[0]:
             found = _LEASE_ROUTES.get(parts[1])
+            if found is not None:
+                return found[0], found[1], parts[0]
+        return None
+    if path.startswith("/v1/api/sessions/"):
+        parts = path[len("/v1/api/sessions/"):].split("/")
+        if len(parts) == 2 and parts[0]:
+            found = _SESSION_ROUTES.get(parts[1])
             if found is not None:
                 return found[0], found[1], parts[0]
         return None

@@ -98,6 +98,14 @@ class InProcess:
         return await self._call(Operation.HISTORY, target=lease_id,
                                 body=NO_BODY if not body else body)
 
+    async def session_renew(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/sessions/{session}/renew`` (docs/affinity.md "Worker sessions")."""
+        return await self._call(Operation.SESSION_RENEW, target=session_id, body=body)
+
+    async def session_close(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/api/sessions/{session}/close``."""
+        return await self._call(Operation.SESSION_CLOSE, target=session_id, body=body)
+
     # -- runs ------------------------------------------------------------------------------
 
     async def start_run(self, body: dict[str, Any]) -> dict[str, Any]:

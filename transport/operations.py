@@ -34,6 +34,7 @@ from ._validate import (
     parse_kill,
     parse_prune,
     parse_register,
+    parse_session_call,
     parse_retry,
     parse_schedule_action,
     parse_signal,
@@ -77,6 +78,8 @@ class Operation(IdentityEnum):
     KILL = "kill"
     DEFINITIONS = "definitions"
     STATS = "stats"
+    SESSION_RENEW = "session_renew"
+    SESSION_CLOSE = "session_close"
     CREATE_SCHEDULE = "create_schedule"
     LIST_SCHEDULES = "list_schedules"
     GET_SCHEDULE = "get_schedule"
@@ -126,7 +129,7 @@ class OperationSpec:
         need: the scope group (`Need`).
         audit: the audit action, or None (worker calls are never audited).
         target: which path id the operation takes: ``"run"``, ``"lease"``,
-            ``"schedule"`` or None.
+            ``"session"`` (a worker session), ``"schedule"`` or None.
         body: ``"none"``, ``"optional"`` (omitted means ``{}``) or ``"required"``.
         run: the handler.
         in_txn: its audit entry is written in the change's own transaction
@@ -169,6 +172,16 @@ def _lease_op(op: Op, parse: Callable[[Any], dict[str, Any]]) -> Handler:
 async def _history(p: Context, r: Request) -> Reply:
     parse_started(r.body)  # no body, or {}
     return Reply(200, await p.daemon.history(r.target, caller=r.worker_id))
+
+
+async def _session_renew(p: Context, r: Request) -> Reply:
+    worker_id = parse_session_call(r.body, r.worker_id)
+    return Reply(200, await p.daemon.session_renew(r.target, worker_id))
+
+
+async def _session_close(p: Context, r: Request) -> Reply:
+    worker_id = parse_session_call(r.body, r.worker_id)
+    return Reply(200, await p.daemon.session_close(r.target, worker_id))
 
 
 # --------------------------------------------------------------------------- runs
@@ -366,6 +379,8 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
                                       _lease_op(Op.COMPLETE, parse_complete)),
     Operation.FAIL: OperationSpec(_W, None, "lease", "required", _lease_op(Op.FAIL, parse_fail)),
     Operation.HISTORY: OperationSpec(_W, None, "lease", "optional", _history),
+    Operation.SESSION_RENEW: OperationSpec(_W, None, "session", "optional", _session_renew),
+    Operation.SESSION_CLOSE: OperationSpec(_W, None, "session", "optional", _session_close),
     Operation.START_RUN: OperationSpec(_E, _act.RUNS_START, None, "required", _start_run,
                                        in_txn=True, mutation=True),
     Operation.LIST_RUNS: OperationSpec(_R, _act.RUNS_LIST, None, "none", _list_runs),

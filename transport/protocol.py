@@ -46,16 +46,15 @@ from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.run import iso_ms
 from stepd.storage import StorageClosed
 
+from ._json import copy_json, decode_json, encode_json
 from ._validate import (
     MAX_CLAIM,
     NO_BODY,
     STICKY_COUNTS,
-    copy_json,
-    decode_json,
-    encode_json,
     is_lease_id,
     is_run_id,
     is_schedule_id,
+    is_session_id,
     parse_kill,
 )
 from .auth import Forbidden, KeyRing, Principal, Unauthorized, is_loopback_host
@@ -254,6 +253,8 @@ class Protocol:
                 raise NotFound(f"run {target!r} not found")
             if spec.target == "lease" and not is_lease_id(target):
                 raise NotFound(f"lease {target!r} not found")
+            if spec.target == "session" and not is_session_id(target):
+                raise NotFound(f"worker session {target!r} not found")
             if spec.target == "schedule" and not is_schedule_id(target):
                 raise NotFound(f"schedule {target!r} not found")
             if op is Operation.KILL:

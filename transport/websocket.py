@@ -20,10 +20,9 @@ echoes::
      | {"op": "error", "id": 7, "status": 400, "message": "...", "field": "..."}
     <- {"op": "cancel", "lease_id": "...", "reason": "run_terminal" | "fenced"}
 
-The bodies are validated by `Protocol` exactly as over HTTP (the frame minus
-``op``, ``id`` and ``lease_id`` is the HTTP body), so the same input gets the
-same rejection on either transport. Answers are sent only after what they
-acknowledge is durable: the daemon's calls return after the commit.
+The bodies are validated by `Protocol` exactly as over HTTP (the frame minus ``op``,
+``id``, ``lease_id``/``session_id`` is the HTTP body), so the same input gets the same
+rejection on either transport. Answers are sent only once what they acknowledge is durable.
 
 Per connection (all its tasks in one task group, STYLE.md rule 7):
 
@@ -69,7 +68,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
 import anyio
 import msgpack  # type: ignore[import-untyped]
@@ -79,7 +78,9 @@ from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
 
-from ._validate import JSON_ENCODER, check_int
+from ._json import JSON_ENCODER
+from ._validate import check_int
+from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
 from .auth import Forbidden, Principal, Unauthorized
 from .protocol import (
     CrossSite,
@@ -111,8 +112,9 @@ _LEASE_OPS: Final = {
     "complete": Operation.COMPLETE,
     "fail": Operation.FAIL,
     "history": Operation.HISTORY,
+    "session_renew": Operation.SESSION_RENEW, "session_close": Operation.SESSION_CLOSE,
 }
-_ENVELOPE: Final = frozenset({"op", "id", "lease_id"})
+_ENVELOPE: Final = frozenset({"op", "id", "lease_id", "session_id"})
 _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
@@ -133,46 +135,6 @@ class _Close:
     def __init__(self, code: int, reason: str) -> None:
         self.code = code
         self.reason = reason
-
-
-def _is_id(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _msgpack_problem(data: bytes, exc: Exception) -> str:
-    """What is wrong with a frame msgpack refused, in words (msgpack's own can be empty)."""
-    text = str(exc)
-    if not data:
-        return "it is empty"
-    if isinstance(exc, msgpack.ExtraData):
-        return "there are bytes after the first value (a frame is one map)"
-    if isinstance(exc, msgpack.StackError):
-        return "it is nested too deeply"
-    if isinstance(exc, msgpack.FormatError):  # the one byte no msgpack value starts with
-        return "a value starts with byte 0xc1, which msgpack never uses"
-    if "incomplete input" in text or " exceeds max_" in text:
-        return "it ends in the middle of a value (a length or an item is missing)"
-    if "map key" in text:
-        return f"a map key is not a string ({text})"
-    return text or type(exc).__name__
-
-
-def answer_frame(frame_id: Any, reply: Reply) -> dict[str, Any]:
-    """The frame answering a request: ``ok``, ``conflict`` or ``error`` (PROTOCOL.md)."""
-    if reply.status < 300:
-        return {"op": "ok", "id": frame_id, **reply.body}
-    if reply.status == 409:
-        return {"op": "conflict", "id": frame_id, "reason": reply.body.get("reason"),
-                "message": reply.body.get("message", "")}
-    frame = {"op": "error", "id": frame_id, "status": reply.status,
-             "message": reply.body.get("message", "")}
-    if "field" in reply.body:
-        frame["field"] = reply.body["field"]
-    return frame
-
-
-def _error_frame(frame_id: Any, exc: StepdError) -> dict[str, Any]:
-    return answer_frame(frame_id if _is_id(frame_id) else None, error_reply(exc))
 
 
 class WorkerSockets:
@@ -411,7 +373,7 @@ class WorkerConnection:
                 frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
             except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
                 raise Invalid("the frame is not valid msgpack: "
-                              f"{_msgpack_problem(data, exc)}") from None
+                              f"{msgpack_problem(data, exc)}") from None
             try:
                 JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
@@ -427,19 +389,19 @@ class WorkerConnection:
             if not isinstance(frame, dict):
                 raise Invalid("a frame must be a map with an 'op'")
         except Invalid as exc:
-            await self._push(_error_frame(None, exc))
+            await self._push(error_frame(None, exc))
             return
         op = frame.get("op")
         frame_id = frame.get("id")
-        if op == "credit" and (frame_id is None or _is_id(frame_id)):  # its id is optional
+        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
             await self._credit(frame)
             return
         if op not in _LEASE_OPS and op not in ("register", "credit"):
-            await self._push(_error_frame(frame_id, Invalid(
-                f"must be register, credit or one of {', '.join(_LEASE_OPS)}", field="op")))
+            await self._push(error_frame(frame_id, Invalid(
+                "must be register, credit, a lease call or a session call", field="op")))
             return
-        if not _is_id(frame_id):
-            await self._push(_error_frame(None, Invalid("a request needs an integer id",
+        if not is_frame_id(frame_id):
+            await self._push(error_frame(None, Invalid("a request needs an integer id",
                                                         field="id")))
             return
         if op == "register":
@@ -518,9 +480,9 @@ class WorkerConnection:
                 raise Invalid("send register before credit")
             self._attached.grant(n)
         except Invalid as exc:
-            await self._push(_error_frame(frame_id, exc))
+            await self._push(error_frame(frame_id, exc))
             return
-        if _is_id(frame_id):
+        if is_frame_id(frame_id):
             await self._push({"op": "ok", "id": frame_id})
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
@@ -541,12 +503,13 @@ class WorkerConnection:
             self._limit.release()
 
     async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
-        lease_id = frame.get("lease_id")
-        if not isinstance(lease_id, str):
-            return error_reply(Invalid("must be the lease id (a string)", field="lease_id"))
+        key = "session_id" if op.text.startswith("session_") else "lease_id"  # docs/affinity.md
+        target = frame.get(key)
+        if not isinstance(target, str):
+            return error_reply(Invalid(f"must be the {key[:-3]} id (a string)", field=key))
         body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
         # The connection's worker: another worker's lease is unknown here.
-        return await self.protocol.handle(op, self.principal, target=lease_id, body=body,
+        return await self.protocol.handle(op, self.principal, target=target, body=body,
                                           worker_id=self.worker_id or "")
 
     # -- the push session ---------------------------------------------------------------

@@ -130,6 +130,7 @@ class WorkerOps(ApiBase):
             "protocol_version": negotiated, "concurrency": concurrency,
             "keys": [list(k) for k in keys], "registered_at": now,
             "capabilities": capabilities or [],
+            # Read by routing: worker sessions match its resources (AFFINITY.md).
             # The capability gate (stepd.sansio.capabilities) reads it back at each
             # completion that carries capability-specific data.
             "manifest": manifest,

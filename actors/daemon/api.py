@@ -36,6 +36,7 @@ from stepd.storage import Storage
 from . import listing, peers, store
 from ._api_retention import RetentionOps
 from ._api_runs import RunOps
+from ._api_sessions import SessionOps
 from ._api_schedules import ScheduleOps
 from ._api_workers import Connection, WorkerOps, _load_workers
 from .catalog import Catalog
@@ -56,7 +57,7 @@ _CLAIMS = itertools.count(1)
 _CONNECTIONS = itertools.count(1)
 
 
-class Daemon(WorkerOps, RunOps, ScheduleOps, RetentionOps):
+class Daemon(WorkerOps, RunOps, SessionOps, ScheduleOps, RetentionOps):
     """The daemon: storage, catalog, the actor tree, and the operations. Open with `Daemon.open`."""
 
     # ------------------------------------------------------------------ lifecycle
@@ -185,8 +186,11 @@ class Daemon(WorkerOps, RunOps, ScheduleOps, RetentionOps):
             return 0
 
     def connected_workers(self) -> int:
+        """Worker connection sessions (``/sessions/w_...``; not the worker sessions of runs,
+        ``/sessions/ws_...``, docs/affinity.md)."""
         try:
-            return self.system.supervisor("/sessions").count_children()
+            return sum(1 for name, _ in self.system.supervisor("/sessions").which_children()
+                       if not name.startswith("ws_"))
         except (ActorDead, ActorNotFound):
             return 0
 

@@ -15,6 +15,9 @@ Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
 * API -> registry: `RegisterWorker`, `ForgetWorkers`, `RegistryStats`
 * run actor -> timer actor: `TimerIndexChanged`
 * timers: each actor's own `Due`
+* work session -> run actor: `SessionNote` (ask); -> worker session: `SessionInfo` (ask)
+* run actor -> work session: `EnsureHolder`, `CloseSession`; API -> work session:
+  `RenewSession`, `ReleaseSession` (asks)
 """
 
 from __future__ import annotations
@@ -309,3 +312,38 @@ class TimerIndexChanged:
     """A passivated run's deadline is on record at `due` (ms): wake for it if sooner."""
 
     due: int
+
+
+# --------------------------------------------------------------------------- worker sessions
+# (AFFINITY.md "Worker sessions": /sessions/ws_<run id>.<name>, one per run and session name)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionNote:
+    """Work session -> run actor (ask): a `SessionChanged` event for its machine."""
+
+    event: Any  # stepd.sansio.events.SessionChanged
+
+
+@dataclass(frozen=True, slots=True)
+class EnsureHolder:
+    """To a work session: tell the run where it stands and look for a holder if it has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenewSession:
+    """API -> work session (ask): the holder renews its authority."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSession:
+    """API -> work session (ask): the holder closes it (a graceful stop)."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    """Run actor -> work session: the run is over."""

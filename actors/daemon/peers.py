@@ -41,6 +41,7 @@ __all__ = [
     "end_lease",
     "ensure_schedule",
     "ensure_session",
+    "ensure_work_session",
     "lease_alive",
     "registry",
     "start_lease",
@@ -115,6 +116,16 @@ async def ensure_session(s: Services, worker_id: str) -> ActorRef:
                           f"worker {worker_id!r} is not registered")
 
 
+async def ensure_work_session(s: Services, session_id: str) -> ActorRef:
+    """The actor of a worker session (``ws_<run id>.<name>``), started if it has none
+    (created on its first start, from its run's definition).
+
+    Raises:
+        NotFound: no such run, or its definition has no such session.
+        ActorDead: the sessions supervisor is restarting.
+    """
+    return await _running(s, "/sessions", session_id, lambda: s.work_session_spec(session_id),
+                          f"worker session {session_id!r} not found")
 async def ensure_schedule(s: Services, schedule_id: str) -> ActorRef:
     """The schedule's actor, started from its record if it is not running.
 

@@ -65,6 +65,13 @@ class RecoveryActor(Actor):
                 await peers.ensure_session(e, key.decode())
             for _, ref in e.system.supervisor("/sessions").which_children():
                 peers.tell_ref(ref, Resubscribe())
+            # Every open worker session has its actor (its timers run there).
+            for key, raw in e.storage.scan(store.WORK_SESSIONS):
+                if isinstance(raw, dict) and raw.get("status") in ("pending", "held"):
+                    try:
+                        await peers.ensure_work_session(e, key.decode())
+                    except NotFound:
+                        pass  # its run or definition is gone: nothing to hold
         except (ActorDead, ActorNotFound):
             # /sessions died under us (a kill): the root restarts it and, rest_for_one,
             # every sibling after it, this actor included. Failing the start here would

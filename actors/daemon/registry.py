@@ -144,6 +144,8 @@ class RegistryActor(Actor):
             return False
         if sub.run_id is not None and sub.run_id != spec.run_id:
             return False
+        if spec.session is not None and spec.pinned != sub.worker_id:
+            return False  # a worker session's step: its holder only (none yet: it waits)
         if spec.prefer is not None and spec.prefer != sub.worker_id \
                 and spec.prefer in self.workers and spec.prefer_until is not None:
             # Sticky execution (AFFINITY.md): the slot waits for the worker that ran
@@ -170,7 +172,8 @@ class RegistryActor(Actor):
         slot = spec_slot(spec)
         known = self.queued.get(slot)
         if known is not None:
-            if known.attempt >= spec.attempt and known.excluded_workers == spec.excluded_workers:
+            if known.attempt >= spec.attempt and known.excluded_workers == spec.excluded_workers \
+                    and known.pinned == spec.pinned:
                 return  # a re-announcement of what is queued already
             self._remove(known)
         for sub in list(self.waiting):

@@ -2,7 +2,8 @@
 
 What a run's deletion removes, in one transaction per slice of runs: its
 record, summary and listing index entries, its journal, the leases its
-journal names, its inbox, its crash count, and its idempotency key once the
+journal names, its inbox, its crash count, its worker sessions' records
+(closed when the run ended: they hold no worker's slot), and its idempotency key once the
 key is past its own retention (``key_before_ms``; a key younger than that
 stays, still answering the pruned run's id, so a retried start inside the
 key's retention never starts a second run). A key left behind is deleted by
@@ -46,6 +47,7 @@ from .tables import (
     RUN_CRASHES,
     RUN_SUMMARIES,
     RUNS,
+    WORK_SESSIONS,
 )
 
 __all__ = [
@@ -135,6 +137,8 @@ def delete_run_txn(txn: WriteTxn, run_id: str, status: str, key_before_ms: int) 
     txn.delete(RUNS, run_id)
     txn.delete(IDX_ACTIVE, run_id)
     txn.delete(RUN_CRASHES, run_id)
+    for ws_key in [k for k, _ in txn.scan_raw(WORK_SESSIONS, prefix=f"ws_{run_id}.".encode())]:
+        txn.delete(WORK_SESSIONS, ws_key)
     idem = record.get("idempotency_key")
     if isinstance(idem, str):
         taken = txn.get(DISPATCH_KEYS, idem)

@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
-from stepd.sansio.errors import Conflict, Invalid
+from stepd.sansio.errors import Conflict, Invalid, StepdError
 from stepd.sansio.events import (
     AttemptOffered,
     Begin,
@@ -53,8 +53,11 @@ from .messages import (
     History,
     IdleCheck,
     InboxChanged,
+    CloseSession,
+    EnsureHolder,
     Offer,
     Resync,
+    SessionNote,
     RetryRun,
     Signal,
 )
@@ -206,6 +209,7 @@ class RunActor(Actor):
         await self._ensure_leases()
         await self._effects(tr)
         self._announce()
+        await self._open_sessions(self.machine.runnable())
         self._arm()
         if not self._expect_message:
             self.ref.tell_nowait(IdleCheck())
@@ -290,6 +294,10 @@ class RunActor(Actor):
         if isinstance(message, Resync):
             await self._ensure_leases()
             self._announce()
+            await self._open_sessions(self.machine.runnable())
+            return None
+        if isinstance(message, SessionNote):
+            await self._handle(message.event)
             return None
         if isinstance(message, IdleCheck):
             return None
@@ -518,6 +526,7 @@ class RunActor(Actor):
         for effect in tr.effects:
             if isinstance(effect, Runnable):
                 peers.announce(e, effect.attempts)
+                await self._open_sessions(effect.attempts)
             elif isinstance(effect, Withdraw):
                 peers.withdraw(e, effect.run_id, effect.slots)
             elif isinstance(effect, EndLeases):
@@ -538,11 +547,31 @@ class RunActor(Actor):
                 stats.sample(stats.run_to_complete,
                              (self.s.clock.time_ms() - self.machine.record.created_at) / 1000)
                 e.watch.ended(self.run_id)
+                await self._close_sessions()
 
     def _announce(self) -> None:
         specs = self.machine.runnable()
         if specs:
             peers.announce(self.s, tuple(specs))
+
+    async def _open_sessions(self, specs: Any) -> None:
+        """Slots of a worker session with no holder wait in the registry: make sure the
+        session's actor exists and is looking for one (AFFINITY.md "Worker sessions")."""
+        for session_id in {sp.session for sp in specs if sp.session is not None and sp.pinned is None}:
+            await self._tell_session(session_id, EnsureHolder())
+
+    async def _close_sessions(self) -> None:
+        """The run is over: its sessions end and free their workers' slots."""
+        for entry in self.machine.record.sessions.values():
+            if entry["status"] in ("pending", "held"):
+                await self._tell_session(entry["id"], CloseSession())
+
+    async def _tell_session(self, session_id: str, message: Any) -> None:
+        try:
+            ref = await peers.ensure_work_session(self.s, session_id)
+        except (ActorDead, StepdError):
+            return  # /sessions is restarting: recovery starts every open session again
+        peers.tell_ref(ref, message)
 
     async def _ensure_leases(self) -> None:
         """Every live lease of this run has its actor (after a restart: with a full TTL)."""

@@ -187,6 +187,11 @@ class Services:
     #: from now, and kills a TTL apart kept it alive forever (examples/chaos.py
     #: found 7 leases of a SIGKILLed worker never orphaned in 50 s).
     lease_memos: dict[str, Any] = field(default_factory=dict)
+    #: Worker sessions whose actor started in this process. A session's first start
+    #: here after a daemon restart grants its holder a full `lease_ms` (its worker
+    #: could not renew while the daemon was down), as recovery grants leases a full
+    #: TTL; the restart after a kill keeps the lease end on record.
+    work_sessions_seen: set[str] = field(default_factory=set)
     #: The child specs of a run actor (run id, its freshly started machine or
     #: None, whether a message is on its way) and of a lease actor (record,
     #: fresh offer): set where the tree is built, so `peers` starts actors
@@ -194,5 +199,7 @@ class Services:
     run_spec: Callable[[str, Any, bool], ChildSpec] = _unset
     lease_spec: Callable[[Any, bool], ChildSpec] = _unset
     session_spec: Callable[[str], ChildSpec] = _unset
+    #: The child spec of a worker session's ("affinity session") actor, by session id.
+    work_session_spec: Callable[[str], ChildSpec] = _unset
     #: The child spec of a schedule actor (schedule id), set with the others.
     schedule_spec: Callable[[str], ChildSpec] = _unset

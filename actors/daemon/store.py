@@ -20,6 +20,7 @@ Tables (storage/ opens them; `EXTRA_TABLES` are this layer's additions):
 | inbox | target run id, NUL, source | a message for a run that may be passivated |
 | definitions | definition hash | `{"json", "order", "registered_at"}` |
 | workers | worker id | registration |
+| work_sessions, idx_ws_holder | see `work_store` | worker sessions and their holders' slots |
 | run_crashes | run id | `{"at": [ms, ...], "error"}`: recent crashes of the run's actor |
 | run_summaries, idx_runs_* | see `listing` | the listing's summaries and indexes |
 | run_forks | source run id, NUL, fork run id | `{"step_id", "at"}`: the source's side of a fork's link |
@@ -54,6 +55,7 @@ from .tables import (  # re-exported: callers name them store.RUNS, ...
     RUNS,
     SCHEDULES,
     TIMERS,
+    WORK_SESSIONS,
     WORKERS,
 )
 
@@ -72,6 +74,7 @@ __all__ = [
     "TIMERS",
     "TIMER_TAG",
     "WORKERS",
+    "WORK_SESSIONS",
     "LeaseGuard",
     "RunWrite",
     "apply_txn",

@@ -33,10 +33,13 @@ IDX_RUNS_STATUS: Final = "idx_runs_status"
 IDX_RUNS_WORKFLOW: Final = "idx_runs_workflow"
 IDX_RUNS_WF_STATUS: Final = "idx_runs_wf_status"
 IDX_RUNS_CORRELATION: Final = "idx_runs_correlation"
+WORK_SESSIONS: Final = "work_sessions"  # work session id -> WorkSessionRecord.to_dict()
+IDX_WS_HOLDER: Final = "idx_ws_holder"  # worker id + NUL + session id -> 1: max_sessions slots in use
 RUN_FORKS: Final = "run_forks"  # source run id + NUL + fork run id -> {"step_id", "at"}
 SCHEDULES: Final = "schedules"  # schedule id -> schedule record (`schedule`: spec and cursor)
 
 EXTRA_TABLES: Final = (
     IDX_ACTIVE, INBOX, RUN_CRASHES, RUN_SUMMARIES, IDX_RUNS_CREATED, IDX_RUNS_STATUS,
-    IDX_RUNS_WORKFLOW, IDX_RUNS_WF_STATUS, IDX_RUNS_CORRELATION, RUN_FORKS, SCHEDULES,
+    IDX_RUNS_WORKFLOW, IDX_RUNS_WF_STATUS, IDX_RUNS_CORRELATION, WORK_SESSIONS, IDX_WS_HOLDER,
+    RUN_FORKS, SCHEDULES,
 )

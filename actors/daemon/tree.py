@@ -2,6 +2,7 @@
 
     root (rest_for_one; more than 10 crash restarts in 60 s and the daemon gives up)
     +-- sessions    one_for_one: one actor per registered worker   /sessions/<worker_id>
+                    and one per worker session of a run          /sessions/ws_<run_id>.<name>
     +-- registry    routes runnable slots to sessions
     +-- runs        one_for_one: one actor per active run          /runs/<run_id>
     +-- leases      one_for_one: one actor per live lease          /leases/<lease_id>
@@ -43,6 +44,7 @@ from .schedule import ScheduleActor
 from .services import Services
 from .session import SessionActor, SessionMemo
 from .timers import TimerActor
+from .work_session import WorkSessionActor
 
 __all__ = ["CHILD_INTENSITY", "ROOT_INTENSITY", "build_tree"]
 
@@ -83,11 +85,16 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
         return ChildSpec(worker_id, lambda: SessionActor(s, worker_id, memo),
                          restart=Restart.TRANSIENT)
 
+    def work_session_spec(session_id: str) -> ChildSpec:
+        return ChildSpec(session_id, lambda: WorkSessionActor(s, session_id),
+                         restart=Restart.TRANSIENT)
+
     def schedule_spec(schedule_id: str) -> ChildSpec:
         return ChildSpec(schedule_id, lambda: ScheduleActor(s, schedule_id),
                          restart=Restart.TRANSIENT)
 
     s.run_spec = run_spec
+    s.work_session_spec = work_session_spec
     s.schedule_spec = schedule_spec
     s.lease_spec = lease_spec
     s.session_spec = session_spec

@@ -83,6 +83,10 @@ class Channel(abc.ABC):
     async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """One lease call; its answer (raises the typed refusal, `Lost`, `Unencodable`)."""
 
+    async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A worker-session call (``session_renew``, ``session_close``; docs/affinity.md)."""
+        raise Lost(f"{self.kind} carries no session calls")
+
     def send_soon(self, op: str, lease_id: str, body: dict[str, Any], deliver: Deliver) -> None:
         """Send a lease call now (ordered channels); ``deliver(frame)`` gets its answer frame
         later, or None if the connection ends first.

@@ -291,6 +291,10 @@ class HttpChannel(Channel):
             return await self._post(op, lease_path(op, lease_id), None, method="GET")
         return await self._post(op, lease_path(op, lease_id), body)
 
+    async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        verb = op.removeprefix("session_")
+        return await self._post(op, f"/v1/api/sessions/{session_id}/{verb}", body)
+
     async def pump(self, host: Host, max_request_ms: int) -> None:
         assert host.worker_id is not None
         wait_ms = max(1, max_request_ms)

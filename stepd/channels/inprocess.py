@@ -68,7 +68,7 @@ class _Daemon:
     @staticmethod
     def copy(lease: dict[str, Any]) -> dict[str, Any]:
         """The worker's own copy of a pushed lease (the daemon's dict is never shared)."""
-        from stepd.transport._validate import copy_json
+        from stepd.transport._json import copy_json
 
         return copy_json(lease)  # type: ignore[no-any-return]
 
@@ -110,6 +110,9 @@ class InProcessChannel(Channel):
 
     async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._invoke(op, lease_id, body)
+
+    async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._invoke(op, session_id, body)
 
     async def pump(self, host: Host, max_request_ms: int) -> None:
         daemon = self.daemon

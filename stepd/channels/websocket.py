@@ -342,6 +342,10 @@ class WebSocketChannel(Channel):
         frame_id = self._next_id = self._next_id + 1
         return await self._request({"op": op, "id": frame_id, "lease_id": lease_id, **body})
 
+    async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        frame_id = self._next_id = self._next_id + 1
+        return await self._request({"op": op, "id": frame_id, "session_id": session_id, **body})
+
     def send_soon(self, op: str, lease_id: str, body: dict[str, Any], deliver: Deliver) -> None:
         frame_id = self._next_id = self._next_id + 1
         self._send({"op": op, "id": frame_id, "lease_id": lease_id, **body}, deliver)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Final
 
 from stepd.sansio.canonical import filled_definition_hash
 from stepd.sansio.enums import IdentityEnum
+from stepd.sansio.session_spec import SessionSpec
 
 END: Final = "$end"
 """The `_next_step` target that ends the run (WORKFLOWS.md "Transitions")."""
@@ -127,15 +128,17 @@ class TaskStep:
     delivery: Delivery = Delivery.AT_LEAST_ONCE
     cost_units: int = 1
     next: str | None = None
+    session: str | None = None  # a worker session of the definition (docs/affinity.md)
     local: bool = False
     total_timeout_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The wire form, every default present.
 
-        ``local`` and ``total_timeout_ms`` appear only on a local step, so the
-        ``definition_hash`` of every definition without local steps is what it
-        was before they existed (docs/affinity.md).
+        ``session`` appears only when set, ``local`` and ``total_timeout_ms``
+        only on a local step, so the ``definition_hash`` of every definition
+        without sessions or local steps is what it was before they existed
+        (docs/affinity.md).
         """
         out = {
             "id": self.id,
@@ -148,6 +151,8 @@ class TaskStep:
             "cost_units": self.cost_units,
             "_next_step": self.next,
         }
+        if self.session is not None:
+            out["session"] = self.session
         if self.local:
             out["local"] = True
             out["total_timeout_ms"] = self.total_timeout_ms
@@ -176,10 +181,11 @@ class ForEachStep:
     delivery: Delivery = Delivery.AT_LEAST_ONCE
     cost_units: int = 1
     next: str | None = None
+    session: str | None = None  # a worker session of the definition (AFFINITY.md)
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form, every default present."""
-        return {
+        """The wire form, every default present (``session`` only when set)."""
+        out = {
             "id": self.id,
             "kind": self.kind.value,
             "body": self.body,
@@ -193,6 +199,9 @@ class ForEachStep:
             "cost_units": self.cost_units,
             "_next_step": self.next,
         }
+        if self.session is not None:
+            out["session"] = self.session
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +346,8 @@ class Definition:
     version: str | None = None
     budgets: Budgets = _NO_BUDGETS
     deadline_ms: int | None = None
+    #: Worker sessions by name (AFFINITY.md "Worker sessions"); empty: none.
+    sessions: Mapping[str, SessionSpec] = field(default_factory=dict)
     _index: dict[str, int] = field(init=False, repr=False, compare=False, default_factory=dict)
     _hash: str | None = field(init=False, repr=False, compare=False, default=None)
 
@@ -394,13 +405,16 @@ class Definition:
         `parse_definition` of the result equals this definition, and the result is
         what `definition_hash` is computed over (without ``version``).
         """
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "version": self.version,
             "steps": [step.to_json() for step in self.steps],
             "budgets": self.budgets.limits(),
             "deadline_ms": self.deadline_ms,
         }
+        if self.sessions:  # absent when empty: older definitions keep their hash
+            out["sessions"] = {name: spec.to_json() for name, spec in self.sessions.items()}
+        return out
 
     @property
     def definition_hash(self) -> str:

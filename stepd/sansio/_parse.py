@@ -12,6 +12,7 @@ from typing import Any, Final, TypeVar
 
 from stepd.sansio.errors import Invalid, field_path
 from stepd.sansio.templates import iter_templates, parse_template
+from stepd.sansio.session_spec import parse_sessions
 
 from ._model import (
     _DEFAULT_RETRY,
@@ -35,7 +36,7 @@ from ._model import (
 
 # --- parsing -----------------------------------------------------------------------
 
-_TOP_KEYS: Final = ("name", "version", "steps", "budgets", "deadline_ms")
+_TOP_KEYS: Final = ("name", "version", "steps", "budgets", "deadline_ms", "sessions")
 _RETRY_KEYS: Final = (
     "max_attempts",
     "initial_backoff_ms",
@@ -54,6 +55,7 @@ _STEP_KEYS: Final[Mapping[StepKind, tuple[str, ...]]] = {
         "delivery",
         "cost_units",
         "_next_step",
+        "session",
         "local",
         "total_timeout_ms",
     ),
@@ -70,6 +72,7 @@ _STEP_KEYS: Final[Mapping[StepKind, tuple[str, ...]]] = {
         "delivery",
         "cost_units",
         "_next_step",
+        "session",
     ),
     StepKind.WAIT: ("id", "kind", "event", "timeout_ms", "into", "_next_step"),
     StepKind.SLEEP: ("id", "kind", "duration_ms", "_next_step"),
@@ -159,12 +162,19 @@ def _parse_definition(obj: Mapping[str, Any]) -> Definition:
         steps.append(step)
     budgets = parse_budgets(obj["budgets"]) if "budgets" in obj else _NO_BUDGETS
     deadline_ms = _optional_int(obj.get("deadline_ms"), "deadline_ms", minimum=1, maximum=MAX_DURATION_MS)
+    sessions = parse_sessions(obj["sessions"]) if "sessions" in obj else {}
+    for index, step in enumerate(steps):
+        wanted = getattr(step, "session", None)
+        if wanted is not None and wanted not in sessions:
+            raise Invalid(f"names no session of this definition's sessions block: {wanted!r}",
+                          field=f"steps[{index}].session")
     return Definition(
         name=name,
         steps=tuple(steps),
         version=version,
         budgets=budgets,
         deadline_ms=deadline_ms,
+        sessions=sessions,
     )
 
 
@@ -212,6 +222,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
+            session=_optional_name(obj.get("session"), f"{where}.session"),
             **_local_options(obj, where),
         )
     if kind is StepKind.FOR_EACH:
@@ -227,6 +238,7 @@ def parse_step(obj: Any, *, index: int, known_ids: frozenset[str] | None = None)
             delivery=_delivery(obj, where),
             cost_units=_cost_units(obj, where),
             next=refs.next(obj.get("_next_step"), f"{where}._next_step"),
+            session=_optional_name(obj.get("session"), f"{where}.session"),
         )
     if kind is StepKind.WAIT:
         return WaitStep(
@@ -481,7 +493,9 @@ def _local_options(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
     A local body may run again when its worker is lost before the daemon
     commits the parent's completion, so ``at_most_once`` cannot be local; the
     total timeout bounds all attempts of one local step and means nothing to
-    an ordinary lease, so it needs ``local``.
+    an ordinary lease, so it needs ``local``. A local step runs in the worker
+    of the step before it, never routed, so it cannot belong to a worker
+    session (whose steps go to the session's holder).
     """
     local = _bool(obj.get("local", False), f"{where}.local")
     total = _optional_int(obj.get("total_timeout_ms"), f"{where}.total_timeout_ms", minimum=1,
@@ -491,6 +505,9 @@ def _local_options(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
     if local and obj.get("delivery") == Delivery.AT_MOST_ONCE.value:
         raise Invalid("a local step may run again after a lost worker: it must be at_least_once",
                       field=f"{where}.delivery")
+    if local and obj.get("session") is not None:
+        raise Invalid("a local step runs where the step before it ran: it cannot be pinned "
+                      "to a worker session's holder", field=f"{where}.session")
     return {"local": local, "total_timeout_ms": total}
 
 

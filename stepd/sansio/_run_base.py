@@ -2,7 +2,8 @@
 
 `RunMachine` (`run.py`) is built in layers, each its own module and class so
 no class holds the whole machine: `_RunBase` (state, journal, budgets,
-endings) <- `_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
+endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <-
+`_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
 `_RunLocal` (`_run_local.py`: local steps' lease plan and records) <-
 `_RunEvents` (`_run_events.py`: one handler per event) <- `RunMachine`
 (`run.py`: creation, queries, the dispatch table, the status view).
@@ -32,6 +33,7 @@ from .events import (
     Withdraw,
 )
 from .record import Frame, RunRecord, Slot, slot_key
+from .session_spec import work_session_id
 from .status import LIVE_PHASES, ErrorReason, RunStatus, SlotPhase
 from .sticky import track
 from .templates import MISSING, TemplateContext
@@ -174,11 +176,19 @@ class _RunBase:
         if slot.item_index is not None:
             key += f"/{slot.item_index}"
         assert isinstance(step, (TaskStep, ForEachStep))
+        session = pinned = None
+        if step.session is not None:  # AFFINITY.md "Worker sessions": only to the holder
+            entry = r.sessions.get(step.session)
+            session = work_session_id(r.run_id, step.session)
+            if entry is not None and entry["status"] == "held":
+                pinned = entry["holder"]
         prefer = until = None
         hold = None if r.sticky is None else r.sticky["hold"]
-        if hold is not None and isinstance(step, TaskStep) and slot.queued_at is not None:
+        if hold is not None and session is None and isinstance(step, TaskStep) \
+                and slot.queued_at is not None:
             # AFFINITY.md "Sticky execution": the worker that ran the previous step
-            # first, for its sticky_schedule_ms, then anyone.
+            # first, for its sticky_schedule_ms, then anyone (a session's step goes
+            # to the session's holder: sessions route, sticky only prefers).
             prefer, until = hold["w"], slot.queued_at + hold["ms"]
         return AttemptSpec(
             run_id=r.run_id,
@@ -193,6 +203,8 @@ class _RunBase:
             timeout_ms=step.timeout_ms,
             idempotency_key=key,
             excluded_workers=tuple(slot.excluded),
+            session=session,
+            pinned=pinned,
             prefer=prefer,
             prefer_until=until,
         )

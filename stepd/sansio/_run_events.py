@@ -71,6 +71,7 @@ class _RunEvents(_RunLocal):
             raise Fenced(f"worker {ev.worker_id} answered unservable for slot "
                          f"{slot_key(ev.step_id, ev.item_index)}")
         step = self.definition.step(f.step_id)
+        session = self._check_holder(getattr(step, "session", None), ev.worker_id)
         tr = Transition()
         key = slot_key(ev.step_id, ev.item_index)
         fence = self.record.fences.get(key, 0) + 1
@@ -109,6 +110,8 @@ class _RunEvents(_RunLocal):
             "span_id": span_id_for(ev.lease_id),
             "timeout_ms": spec.timeout_ms,
         }
+        if session is not None:
+            tr.lease["session"] = session
         if ev.local_steps and ev.item_index is None:
             plan = self.plan_for(ev.step_id)
             if plan:

@@ -16,6 +16,7 @@ from ._run_base import (
     _RunBase,
     child_run_id,
 )
+from ._run_sessions import _RunSessions
 from .definition import (
     Delivery,
     ForEachStep,
@@ -40,7 +41,7 @@ from .sticky import MISSING as STICKY_MISSING
 from .templates import MISSING, render
 
 
-class _RunSteps(_RunBase):
+class _RunSteps(_RunSessions):
     __slots__ = ()
 
     # ------------------------------------------------------------------ stepping
@@ -70,6 +71,9 @@ class _RunSteps(_RunBase):
         r.frame = f
         self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.text,
                       visit=visit)
+        if isinstance(step, (TaskStep, ForEachStep)) and step.session is not None \
+                and self._session_unusable(step.session, step.id, tr, now):
+            return None
         if isinstance(step, TaskStep):
             try:
                 rendered = render(step.input, self._ctx())
@@ -134,7 +138,8 @@ class _RunSteps(_RunBase):
 
     def _fill_for_each(self, step: ForEachStep, f: Frame, tr: Transition, now: int) -> None:
         """Slot pending items up to `max_parallel`, in item order."""
-        cap = step.max_parallel if step.max_parallel is not None else f.total
+        cap = self._session_cap(
+            step.session, step.max_parallel if step.max_parallel is not None else f.total)
         new: list[AttemptSpec] = []
         while f.next_item < f.total and len(f.slots) < cap:
             i = f.next_item

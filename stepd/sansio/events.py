@@ -165,6 +165,24 @@ class InternalFailure:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class SessionChanged:
+    """A worker session of this run changed (AFFINITY.md "Worker sessions"), told by
+    its actor after its own record is durable.
+
+    `kind`: ``acquired`` (`worker_id` holds it now, acquisition `generation`),
+    ``lost`` (its holder is gone; `reacquire`: another will take it over, else
+    the run fails ``session_lost``) or ``expired`` (its absolute TTL passed).
+    """
+
+    name: str
+    session_id: str
+    kind: str
+    worker_id: str | None = None
+    generation: int = 0
+    reacquire: bool = False
+
+
 Event = (
     AttemptOffered
     | AttemptStarted
@@ -181,6 +199,7 @@ Event = (
     | Cancel
     | InternalFailure
     | Begin
+    | SessionChanged
     | Retry
 )
 
@@ -203,8 +222,13 @@ class AttemptSpec:
     timeout_ms: int | None
     idempotency_key: str
     excluded_workers: tuple[str, ...] = ()
+    #: The worker session of the step (its id), or None. With a session the
+    #: slot goes only to `pinned`, its holder; None: nobody yet (it waits).
+    session: str | None = None
+    pinned: str | None = None
     #: Sticky execution: offer only to this worker (the one that ran the run's
-    #: previous step and cached its history) until `prefer_until` (ms), then to anyone.
+    #: previous step and cached its history) until `prefer_until` (ms), then to
+    #: anyone. Never on a session's step: the session's holder is where it goes.
     prefer: str | None = None
     prefer_until: int | None = None
 

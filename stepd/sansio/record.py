@@ -174,6 +174,10 @@ class RunRecord:
     #: transaction, so a tree of child runs is built one level per transaction
     #: instead of recursively inside the parent's.
     begun: bool = True
+    #: Worker sessions by name: {"id", "holder", "gen", "status"} (AFFINITY.md);
+    #: status pending | held | lost | expired. The recorded routing a holder
+    #: change keeps.
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: A fork's origin: ``{"run_id", "step_id", "seq"}`` (the run, the step it
     #: branched off after, the last journal entry it copied); None otherwise.
     forked_from: dict[str, Any] | None = None
@@ -189,6 +193,8 @@ class RunRecord:
             d["depth"] = self.depth
         if not self.begun:
             d["begun"] = False
+        if self.sessions:
+            d["ws"] = self.sessions
         if self.forked_from is not None:
             d["forked_from"] = self.forked_from
         if self.sticky is not None:
@@ -264,6 +270,7 @@ class RunRecord:
             seq=d["seq"],
             depth=d.get("depth", 0),
             begun=d.get("begun", True),
+            sessions=d.get("ws") or {},
             forked_from=d.get("forked_from"),
             sticky=d.get("sticky"),
         )

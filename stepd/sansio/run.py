@@ -65,6 +65,7 @@ from .events import (
     ChildFinished,
     Event,
     InternalFailure,
+    SessionChanged,
     Retry,
     SignalReceived,
     Tick,
@@ -414,6 +415,9 @@ TRANSITIONS: dict[tuple[RunStatus, type], tuple[str, tuple[RunStatus, ...]]] = {
     (R, InternalFailure): ("_on_internal_failure", (F,)),
     (W, InternalFailure): ("_on_internal_failure", (F,)),
     (S, InternalFailure): ("_on_internal_failure", (F,)),
+    (R, SessionChanged): ("_on_session_changed", (R, F)),
+    (W, SessionChanged): ("_on_session_changed", (W, F)),
+    (S, SessionChanged): ("_on_session_changed", (S, F)),
     (W, ChildFinished): ("_on_child_ignored", (W,)),
     (S, ChildFinished): ("_on_child_ignored", (S,)),
     (F, Retry): ("_on_retry", _NEXT),
@@ -436,7 +440,7 @@ del _s, _ev
 _TERMINAL_CONFLICTS = frozenset({
     AttemptOffered, AttemptStarted, AttemptCompleted, AttemptFailed, AttemptLost,
     AttemptOrphaned, AttemptRevived, AttemptReleased, AttemptUnservable, SignalReceived, Cancel,
-    InternalFailure,
+    InternalFailure, SessionChanged,
 })
 
 

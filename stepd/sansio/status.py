@@ -43,6 +43,8 @@ class ErrorReason(IdentityEnum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     INTERNAL = "internal"  # the daemon gave up: the run's actor crashed too often
+    SESSION_LOST = "session_lost"  # a worker session's holder was lost, reacquire "never"
+    SESSION_EXPIRED = "session_expired"  # a worker session's absolute TTL passed while needed
 
 
 class SlotPhase(IdentityEnum):

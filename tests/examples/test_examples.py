@@ -3,7 +3,9 @@
 ``examples/support.py`` and ``examples/research.py`` run on their embedded
 default and against ``stepd serve`` (a subprocess on a free port, stopped by
 PID); ``examples/chaos.py`` starts its own daemon and workers;
-``examples/raw_http_worker.py`` (no SDK) runs against ``stepd serve``.
+``examples/raw_http_worker.py`` (no SDK) runs against ``stepd serve``;
+``examples/gpu_session.py`` (a worker session with a "GPU" requirement) runs
+embedded and against ``stepd serve``.
 """
 
 from __future__ import annotations
@@ -104,3 +106,19 @@ def test_chaos() -> None:
     killed = re.search(r"actors killed: (\d+)", out)
     assert killed and int(killed[1]) > 0, out
     assert "'completed': 50" in out
+
+
+def _check_gpu_session(out: str) -> None:
+    assert "session gpu acquired by gpu-a (generation 1)" in out, out
+    assert "session gpu acquired by gpu-b (generation 2)" in out, out
+    assert "every session step ran on a GPU worker: True" in out, out
+    assert "cpu-box" not in out.split("texts:", 1)[1], out
+    assert "journal: session_acquired, session_lost, session_acquired" in out, out
+
+
+def test_gpu_session_embedded() -> None:
+    _check_gpu_session(example("gpu_session.py"))
+
+
+def test_gpu_session_against_serve(serve: ServeProcess) -> None:
+    _check_gpu_session(example("gpu_session.py", "--url", serve.url))

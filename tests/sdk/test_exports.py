@@ -12,7 +12,7 @@ EXPECTED = {
     # building
     "Workflow", "Retry", "body",
     # running bodies
-    "Worker", "StepContext", "Span", "current_context",
+    "Worker", "StepContext", "Span", "current_context", "SessionAcquired",
     # clients
     "Client", "AsyncClient", "RunHandle", "AsyncRunHandle",
     "RunStatus", "RunSummary", "RunError", "Usage", "Budget",

@@ -50,7 +50,9 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("post", "/v1/api/steps/{lease}/heartbeat"): "worker",
     ("post", "/v1/api/steps/{lease}/complete"): "worker",
     ("post", "/v1/api/steps/{lease}/fail"): "worker",
-    ("get", "/v1/api/steps/{lease}/history"): "worker",
+    ("get", "/v1/api/steps/{lease}/history"): "worker",  # sticky execution (docs/affinity.md)
+    ("post", "/v1/api/sessions/{session}/renew"): "worker",  # worker sessions (docs/affinity.md)
+    ("post", "/v1/api/sessions/{session}/close"): "worker",
     ("post", "/v1/api/runs"): "execute",
     ("get", "/v1/api/runs"): "read",
     ("get", "/v1/api/runs/{run}"): "read",
@@ -245,9 +247,10 @@ def test_vocabularies_match_the_code(doc: dict[str, Any]) -> None:
 def test_definition_schemas_have_exactly_the_parser_keys(doc: dict[str, Any]) -> None:
     mapping = schema(doc, "Step")["discriminator"]["mapping"]
     assert set(mapping) == {k.value for k in StepKind}
+    # `session` is written only when set (a definition without sessions keeps its hash).
     minimal: dict[StepKind, dict[str, Any]] = {
-        StepKind.TASK: {"id": "a", "body": "b"},
-        StepKind.FOR_EACH: {"id": "a", "body": "b", "items": []},
+        StepKind.TASK: {"id": "a", "body": "b", "session": "s"},
+        StepKind.FOR_EACH: {"id": "a", "body": "b", "items": [], "session": "s"},
         StepKind.WAIT: {"id": "a", "event": "e"},
         StepKind.SLEEP: {"id": "a", "duration_ms": 0},
         StepKind.START_WORKFLOWS: {"id": "a", "workflow": "w", "items": []},
@@ -262,8 +265,10 @@ def test_definition_schemas_have_exactly_the_parser_keys(doc: dict[str, Any]) ->
         assert set(step_schema["properties"]) == set(cls(**minimal[kind], **extra).to_json()), kind
     assert set(schema(doc, "Retry")["properties"]) == set(RetryPolicy().to_json())
     assert set(schema(doc, "Budgets")["properties"]) == set(Budgets().limits())
-    d = parse_definition({"name": "n", "steps": [{"id": "a", "kind": "sleep", "duration_ms": 1}]})
+    d = parse_definition({"name": "n", "steps": [{"id": "a", "kind": "sleep", "duration_ms": 1}],
+                          "sessions": {"s": {}}})
     assert set(schema(doc, "Definition")["properties"]) == set(d.to_json())
+    assert set(schema(doc, "SessionSpec")["properties"]) == set(d.sessions["s"].to_json())
 
 
 # --------------------------------------------------------------------------- schema validation

@@ -12,7 +12,7 @@ import pytest
 
 from stepd.sansio.definition import MAX_DURATION_MS, parse_definition
 from stepd.sansio.errors import Invalid
-from stepd.transport._validate import copy_json, decode_json
+from stepd.transport._json import copy_json, decode_json
 
 
 @pytest.mark.parametrize("body", [

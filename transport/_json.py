@@ -1,0 +1,132 @@
+"""Strict JSON for every transport: what a request body may hold, and how answers are encoded.
+
+A bad value is refused here, with a 400, never by a failed storage write later:
+no ``NaN``/``Infinity``, no integer outside what the storage codec (msgpack)
+holds, no number that overflows a double, no lone surrogate. Split out of
+`transport._validate` (which checks the shape of each body) so each holds one
+thing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Final
+
+from stepd.sansio.errors import Invalid
+
+__all__ = ["JSON_ENCODER", "JSON_INT_MAX", "JSON_INT_MIN", "copy_json", "decode_json",
+           "encode_json"]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+JSON_INT_MIN: Final = -(2**63)
+JSON_INT_MAX: Final = 2**64 - 1
+
+
+def _stored_int(text: str) -> int:
+    # The storage codec (msgpack) holds integers from -2**63 to 2**64-1; one
+    # outside that range would fail the write that stores it (and a failed
+    # deferred write stops the daemon), so it is refused here, with a 400.
+    value = int(text)
+    if not JSON_INT_MIN <= value <= JSON_INT_MAX:
+        shown = text if len(text) <= 24 else text[:24] + "..."
+        raise ValueError(f"integer {shown} is out of range (-2**63 to 2**64-1)")
+    return value
+
+
+#: Only an integer of 19 digits or more can fall outside that range (10**18 - 1
+#: is below 2**63): a document with no such run of digits anywhere is parsed
+#: without the per-integer check (one regex scan instead of a call per number).
+_NINETEEN_DIGITS: Final = re.compile(r"[0-9]{19}")
+_NINETEEN_DIGITS_B: Final = re.compile(rb"[0-9]{19}")
+
+
+def _int_hook(text: str | bytes | bytearray) -> Any:
+    """`parse_int` for `json.loads`: the range check, or None (plain int) when it cannot fail.
+
+    Bytes holding a NUL may be UTF-16 or UTF-32 (which `json.loads` accepts),
+    whose digits are not adjacent bytes: those are always checked.
+    """
+    if isinstance(text, str):
+        long_digits = _NINETEEN_DIGITS.search(text) is not None
+    else:
+        long_digits = b"\0" in text or _NINETEEN_DIGITS_B.search(text) is not None
+    return _stored_int if long_digits else None
+
+
+def _finite_float(text: str) -> float:
+    # `1e400` parses as infinity, which JSON cannot carry back out (the run
+    # would become unreadable): refused like the NaN/Infinity literals.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:24]} is out of range for a double")
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """Refuse lone surrogates (``"\\ud800"``): they cannot be stored as UTF-8."""
+    if isinstance(value, str):
+        value.encode("utf-8")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            k.encode("utf-8")
+            _check_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v)
+
+
+def decode_json(data: bytes | str) -> Any:
+    """Parse a JSON document strictly: no ``NaN``/``Infinity``, no number or
+    string the storage could not hold (so a bad value is a 400 here, never a
+    failed write later).
+
+    Raises:
+        Invalid: not UTF-8, not JSON (``field`` None; the message says where).
+    """
+    try:
+        value = json.loads(data, parse_constant=_refuse_constant, parse_int=_int_hook(data),
+                           parse_float=_finite_float)
+        # A lone surrogate can only come from a \u escape: look only then.
+        if ("\\ud" in data or "\\uD" in data) if isinstance(data, str) else (
+                b"\\ud" in data or b"\\uD" in data):
+            _check_strings(value)
+        return value
+    except UnicodeEncodeError:
+        raise Invalid("the body is not valid JSON: a string holds a lone surrogate "
+                      "(\\ud800-\\udfff without its pair)") from None
+    except UnicodeDecodeError as exc:
+        raise Invalid(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise Invalid(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise Invalid("the body is not valid JSON: nested too deeply") from None
+
+
+JSON_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def encode_json(value: Any) -> bytes:
+    """Encode an answer as compact UTF-8 JSON."""
+    return JSON_ENCODER.encode(value).encode("utf-8")
+
+
+def copy_json(value: Any) -> Any:
+    """A deep copy through JSON: what crosses a transport never shares a dict.
+
+    Raises:
+        Invalid: ``value`` is not JSON (bytes, NaN, a non-string key...).
+    """
+    try:
+        text = JSON_ENCODER.encode(value)
+        text.encode("utf-8")  # a lone surrogate cannot be stored
+        return json.loads(text, parse_int=_int_hook(text))
+    except UnicodeEncodeError:
+        raise Invalid("not JSON: a string holds a lone surrogate") from None
+    except (TypeError, ValueError) as exc:
+        raise Invalid(f"not JSON: {exc}") from None
