@@ -1,4 +1,5 @@
-"""A worker session pinned to a GPU: load a model once, run every prompt on the same machine.
+"""A worker session pinned to a GPU, and a local step: load a model once, warm it up in the
+same worker with no round trip, run every prompt on the same machine.
 
     python examples/gpu_session.py                     # on an embedded daemon (a temporary directory)
     python examples/gpu_session.py --url http://127.0.0.1:7707 [--key KEY]   # on `stepd serve`
@@ -8,6 +9,11 @@ The workflow declares a session ``gpu`` that requires ``{"gpu": "a100"}``
 of ``generate`` over the prompts, two at a time: ``max_concurrent`` 2) all run
 on the worker holding the session. Three workers serve the workflow: a CPU-only
 one (no sessions) and two GPU boxes (``resources={"gpu": "a100"}``).
+
+Right after ``load``, ``warm`` is a *local* step (``local=True``, docs/affinity.md
+"Local steps", declared by the GPU workers with ``local_steps=True``): it runs
+inside the worker that ran ``load`` (the session's holder), straight after it, with no lease of its own; its record rides in
+``load``'s ``complete`` and is journaled with ``"execution_mode": "local"``.
 
 Each GPU worker's ``on_session_acquired`` hook "loads the model" into its own
 process memory before the session's first step there: a session id never makes
@@ -37,6 +43,10 @@ def load(ctx: stepd.StepContext, input: Any) -> dict[str, Any]:
     return {"model": input["model"]}
 
 
+def warm(ctx: stepd.StepContext, input: Any) -> dict[str, Any]:
+    return {"warmed": input["model"]}
+
+
 def generate(ctx: stepd.StepContext, prompt: str) -> dict[str, Any]:
     if not MODELS:
         raise RuntimeError("no model loaded: on_session_acquired runs before a session's step")
@@ -49,6 +59,7 @@ workflow = (
     .session("gpu", requirements={"gpu": "a100"}, lease_ms=3000, ttl_ms=600_000,
              max_concurrent=2, reacquire="same_requirements")
     .then(load, session="gpu")
+    .then(warm, local=True, input="${steps.load}")  # in load's worker: no round trip
     .wait("go")
     .for_each("${input.prompts}", generate, into="texts", session="gpu")
 )
@@ -61,7 +72,8 @@ def gpu_worker(target: Any, name: str) -> stepd.Worker:
               flush=True)
 
     return stepd.Worker(target, concurrency=4, name=name, resources={"gpu": "a100"},
-                        max_sessions=1, on_session_acquired=acquired).register(workflow)
+                        max_sessions=1, on_session_acquired=acquired,
+                        local_steps=True).register(workflow)
 
 
 def main() -> int:
@@ -114,6 +126,10 @@ def main() -> int:
                      for e in client.journal(run) if e["type"] == "step_offered"]
             for step_id, item, name in where:
                 print(f"  {step_id}{'' if item is None else f'[{item}]'} offered to {name}")
+            local = [names.get(e.get("worker_id"), "?") for e in client.journal(run)
+                     if e["type"] == "step_completed" and e["step_id"] == "warm"
+                     and e.get("execution_mode") == "local"]
+            print(f"warm ran as a local step on: {', '.join(local) or 'nowhere'}")
             on_gpu = all(name.startswith("gpu-") for _, _, name in where)
             print(f"every session step ran on a GPU worker: {on_gpu}")
             print("journal:", ", ".join(e["type"] for e in client.journal(run)

@@ -114,6 +114,8 @@ def _check_gpu_session(out: str) -> None:
     assert "every session step ran on a GPU worker: True" in out, out
     assert "cpu-box" not in out.split("texts:", 1)[1], out
     assert "journal: session_acquired, session_lost, session_acquired" in out, out
+    assert "warm ran as a local step on: gpu-a" in out, out  # in load's worker, no lease
+    assert "warm" not in out.split("texts:", 1)[1].split("warm ran", 1)[0], out  # never offered
 
 
 def test_gpu_session_embedded() -> None:
