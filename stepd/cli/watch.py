@@ -20,6 +20,7 @@ Two renderings of the same events (`stepd.cli.render.journal_line`):
 
 from __future__ import annotations
 
+import abc
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -166,7 +167,7 @@ def watch_run(client: Any, run_id: str, *, as_json: bool = False,
 # --------------------------------------------------------------------------- renderings
 
 
-class _Output:
+class _Output(abc.ABC):
     """Where the events go; a context manager around the whole watch."""
 
     def __enter__(self) -> Self:
@@ -175,8 +176,9 @@ class _Output:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    @abc.abstractmethod
     def events(self, events: Sequence[Mapping[str, Any]], progress: Progress) -> None:
-        raise NotImplementedError
+        """Show `events` and the progress line after them."""
 
     def done(self, view: Mapping[str, Any]) -> None:
         return None

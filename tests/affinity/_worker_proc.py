@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import stepd
+from tests._durable import write_synced
 
 BODIES = Path(".")
 BLOCK: str | None = None
@@ -45,17 +46,7 @@ def expected(n: int) -> int:
 
 def record(ctx: stepd.StepContext) -> None:
     path = BODIES / f"{ctx.run_id}__{ctx.step_id}__{os.getpid()}__{ctx.attempt}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        os.write(fd, f"{ctx.idempotency_key} {ctx.lease_id}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dir_fd = os.open(BODIES, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_synced(path, f"{ctx.idempotency_key} {ctx.lease_id}\n")
     print(f"body {ctx.step_id} {ctx.run_id}", flush=True)
     if SLOW_S:
         time.sleep(SLOW_S)

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests._waiting import eventually
 from tests.reliability.conftest import start_daemon, stop_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,13 +112,7 @@ def journal(client: httpx.Client, run_id: str) -> list[dict[str, Any]]:
 
 
 def wait_for(check: Any, what: str) -> Any:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return eventually(check, timeout=WAIT_S, what=what, interval=0.05)
 
 
 def scenario(tmp_path: Path, transport: str, reacquire: str

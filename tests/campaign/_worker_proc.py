@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import stepd
+from tests._durable import write_synced
 
 BODIES: Path = Path(".")
 RETRY = stepd.Retry(max_attempts=1000, initial_backoff=0)
@@ -43,17 +44,7 @@ RETRY = stepd.Retry(max_attempts=1000, initial_backoff=0)
 def record(ctx: stepd.StepContext) -> Path:
     """The durable count: one file per attempt, fsynced before the body's effect."""
     path = BODIES / f"{ctx.run_id}__{ctx.step_id}__{ctx.item_index}__{ctx.lease_id}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    try:
-        os.write(fd, f"{os.getpid()} {ctx.attempt} {ctx.delivery}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dir_fd = os.open(BODIES, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_synced(path, f"{os.getpid()} {ctx.attempt} {ctx.delivery}\n")
     print(f"body {ctx.delivery} {path}", flush=True)
     return path
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from click.testing import CliRunner, Result
 
 import stepd
 from stepd.cli import main
+from tests._waiting import eventually as _eventually
 
 from ._serve import ROOT, ServeProcess, clean_env, serve_process
 
@@ -137,11 +137,4 @@ def stepd_process(*args: str, env: dict[str, str] | None = None,
 
 
 def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.02)
+    return _eventually(check, timeout=timeout, what=what)

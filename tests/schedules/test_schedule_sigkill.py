@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from tests._waiting import eventually
+
 from ..cli._serve import ServeProcess, serve_process
 from ..daemon.helpers import seq_definition
 
@@ -37,13 +39,7 @@ def fires(http: httpx.Client, sid: str) -> list[int]:
 
 
 def wait_for(check: Any, what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return eventually(check, timeout=timeout, what=what, interval=0.05)
 
 
 def sigkill(d: ServeProcess) -> None:

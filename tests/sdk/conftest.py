@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import pytest
 
 import stepd
 from stepd.sansio.pricing import PriceBook
+from tests._waiting import eventually as _eventually
 
 PRICES = {"models": {"m": {"input_per_million": 1.0, "output_per_million": 2.0}}}
 PRICES_TOML = '[models."m"]\ninput_per_million = 1.0\noutput_per_million = 2.0\n'
@@ -51,14 +51,7 @@ def unique(prefix: str = "wf") -> str:
 
 def eventually(check: Callable[[], Any], *, timeout: float = 10.0, what: str = "") -> Any:
     """Poll ``check`` until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        time.sleep(0.01)
+    return _eventually(check, timeout=timeout, what=what, interval=0.01)
 
 
 def journal_types(client: stepd.Client, run: Any) -> list[str]:

@@ -135,7 +135,7 @@ def test_per_attempt_timeout_stops_an_async_local_body_and_retries_it(fast_stack
     async def hang(ctx: stepd.StepContext) -> str:
         attempts.append(ctx.attempt)
         if ctx.attempt == 1:
-            await anyio.sleep(30)  # interrupted at its 100 ms timeout
+            await anyio.sleep_forever()  # interrupted at its 100 ms timeout
         return "second"
 
     wf = stepd.Workflow(name).then(prep).then(hang, local=True, timeout=100, retry=NO_BACKOFF)
@@ -227,7 +227,7 @@ def test_shutdown_completes_the_parent_with_the_local_steps_finished_so_far(
     async def long(ctx: stepd.StepContext) -> str:
         if ctx.lease.get("execution_mode") == "local":
             entered.set()
-            await anyio.sleep(30)  # cut at the end of the grace period
+            await anyio.sleep_forever()  # cut at the end of the grace period
         return "as a lease"
 
     wf = stepd.Workflow(name).then(prep).then(quick, local=True).then(long, local=True)
@@ -256,7 +256,7 @@ def test_losing_the_parent_lease_stops_the_local_body(fast_stack: Stack) -> None
 
     async def long(ctx: stepd.StepContext) -> str:
         try:
-            await anyio.sleep(30)
+            await anyio.sleep_forever()  # until the lost lease stops it
         except BaseException:
             stopped.set()
             raise
