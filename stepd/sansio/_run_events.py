@@ -53,7 +53,14 @@ from .events import (
 from .record import slot_key
 from .status import ErrorReason, RunStatus, SlotPhase
 from .sticky import MISSING as STICKY_MISSING
-from .sticky import StickyWorker, claim_holder, cursor_of, delta_since, start_tracking
+from .sticky import (
+    StickyWorker,
+    claim_holder,
+    cold_reason,
+    cursor_of,
+    delta_since,
+    start_tracking,
+)
 
 
 class _RunEvents(_RunLocal):
@@ -88,7 +95,7 @@ class _RunEvents(_RunLocal):
         spec = self._spec(step, f, slot)
         sticky_part: dict[str, Any] | None = None
         if ev.sticky is not None and isinstance(step, TaskStep):
-            sticky_part = self._sticky_lease(ev.sticky)
+            sticky_part = self._sticky_lease(ev.sticky, session=step.session is not None)
         tr.lease = {
             "lease_id": ev.lease_id,
             "fence": fence,
@@ -120,20 +127,26 @@ class _RunEvents(_RunLocal):
         if sticky_part is not None:
             lease = tr.lease
             lease["sticky"] = sticky_part
-            if sticky_part["mode"] == "delta":
-                # The worker rebuilds these from its cache plus the delta.
+            if sticky_part["mode"] != "full":
+                # The worker rebuilds these from its cache plus the delta, or fetches
+                # them (cold).
                 del lease["steps"], lease["state"]
         return tr
 
-    def _sticky_lease(self, worker: StickyWorker) -> dict[str, Any]:
+    def _sticky_lease(self, worker: StickyWorker, *, session: bool) -> dict[str, Any]:
         """The ``sticky`` part of a task lease for a worker that declared sticky execution
-        (docs/affinity.md "Sticky execution").
+        (docs/affinity.md "Sticky execution", "The lease").
 
         To the holder (the worker that ran the previous step and cached the
         history at a cursor): a delta, the entries written after its cursor, with
         the base cursor and the resulting one, each naming the cache identity
-        (workflow, run, build id) it belongs to. To anyone else: the full history
-        as always, with its cursor, so the worker can start caching.
+        (workflow, run, build id) it belongs to. To another worker while the run
+        has a holder that was lost (`cold_reason`): no history at all, the
+        worker fetches it and counts a forced cold replay, as AFFINITY.md asks of
+        a holder loss. To anyone else (no holder yet, or the holder cached
+        nothing; a worker session's step pinned to a worker that is not the
+        sticky holder): the full history as always, with its cursor, so the
+        worker can start caching (a miss).
         """
         r = self.record
         if r.sticky is None:
@@ -142,6 +155,10 @@ class _RunEvents(_RunLocal):
         hold = sticky["hold"]
         identity = {"workflow": r.workflow, "run_id": r.run_id}
         cursor = {**cursor_of(sticky), **identity, "build_id": worker.build_id}
+        if hold is not None and hold["w"] != worker.worker_id:
+            reason = cold_reason(hold, session=session)
+            if reason is not None:
+                return {"mode": "cold", "reason": reason, "cursor": cursor}
         if hold is None or hold["w"] != worker.worker_id or hold["c"] > sticky["s"]:
             return {"mode": "full", "cursor": cursor}
         # The base names the build the holder cached under: a worker now running
