@@ -7,7 +7,6 @@ these handlers.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 from ._run_base import (
@@ -16,7 +15,6 @@ from ._run_base import (
     MAX_BUFFERED_SIGNALS,
     MAX_IMMEDIATE_STEPS,
     MAX_SIGNAL_BYTES,
-    MAX_TOKEN_TOTAL,
     _jump_of,
     _retry_of,
     iso_ms,
@@ -120,7 +118,7 @@ class _RunEvents(_RunLocal):
         if session is not None:
             tr.lease["session"] = session
         if ev.local_steps and ev.item_index is None:
-            plan = self.plan_for(ev.step_id)
+            plan = self.plan_for(ev.step_id, ev.lease_id)
             if plan:
                 tr.lease["local_steps"] = plan
                 tr.lease["run_input"] = self.record.input
@@ -221,15 +219,7 @@ class _RunEvents(_RunLocal):
         if sticky is not None and isinstance(step, TaskStep):
             claim_holder(sticky, slot.worker_id or "", ev.sticky)
         tr = Transition()
-        if ev.usage:
-            # Saturating: a total past what storage holds would fail every write of
-            # the run (the transport bounds each report; this bounds the sum).
-            r.input_tokens = min(r.input_tokens + int(ev.usage.get("input_tokens") or 0),
-                                 MAX_TOKEN_TOTAL)
-            r.output_tokens = min(r.output_tokens + int(ev.usage.get("output_tokens") or 0),
-                                  MAX_TOKEN_TOTAL)
-            cost = r.cost_usd + float(ev.usage.get("cost_usd") or 0.0)
-            r.cost_usd = cost if math.isfinite(cost) else r.cost_usd
+        self._add_usage(ev.usage)
         self._journal(
             tr, now, "step_completed", step_id=ev.step_id, item_index=ev.item_index,
             attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,
