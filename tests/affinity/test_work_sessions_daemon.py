@@ -391,3 +391,28 @@ async def test_the_workers_api_lists_the_sessions_each_worker_holds(tmp_path: Pa
         [moved] = now[second]
         assert moved["generation"] == 2 and moved["since"] == record(d, sid)["held_since"]
         assert moved["expires_at"] == rec["expires_at"]  # the TTL moved with it, unchanged
+
+
+async def test_a_lost_holders_step_in_progress_ends_by_its_own_lease(tmp_path: Path) -> None:
+    """docs/affinity.md "Holder loss": the session moves, the attempt already running on
+    the old holder is not cut short: its lease (TTL 60 s here, longer than the session's
+    lease_ms) stays its authority; its completion is accepted once, the new holder never
+    gets a copy of it, and the session's next step goes to the new holder."""
+    async with daemon(tmp_path) as (d, clock):
+        first = await register(d, flow("s11"), "a100")
+        run_id, _ = await d.start_run("s11", {})
+        lease = (await claim_some(d, first, clock))[0]
+        sid = lease["session"]["session_id"]
+        await d.lease_call(lease["lease_id"], Op.STARTED, {})
+        second = await register(d, flow("s11"), "a100")
+        clock.advance(LEASE_MS / 1000 + 0.1)  # the session lease lapses; the step's does not
+        await eventually(lambda: record(d, sid)["holder"] == second, what="reacquired")
+        assert await claim(d, second) == []  # load is still the first holder's attempt
+        await d.lease_call(lease["lease_id"], Op.COMPLETE, {"output": "from first"})
+        await eventually(lambda: d.status(run_id)["status"] == "waiting", what="waits for go")
+        await d.signal(run_id, "go")
+        nxt = (await claim_some(d, second, clock))[0]
+        assert nxt["step_id"] == "infer" and nxt["steps"]["load"] == "from first"
+        # (An offer is journaled behind the lease it hands out.)
+        await eventually(lambda: [(e["step_id"], e["worker_id"]) for e in events(
+            d, run_id, "step_offered")] == [("load", first), ("infer", second)], what="offers")
