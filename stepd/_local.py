@@ -43,6 +43,7 @@ from stepd.context import StepContext
 from stepd.sansio.definition import parse_retry
 from stepd.sansio.errors import Invalid as EngineInvalid
 from stepd.sansio.errors import TemplateError
+from stepd.sansio.local_steps import local_span_id
 from stepd.sansio.run import ALWAYS_RETRIED
 from stepd.sansio.templates import TemplateContext, render
 
@@ -138,7 +139,19 @@ class LocalSteps:
     async def _local_step(self, active: Active, entry: dict[str, Any], body: Body,
                           rendered: Any, steps: dict[str, Any], state: dict[str, Any]
                           ) -> dict[str, Any] | None:
-        """All attempts of one local step; its record, or None when it was stopped."""
+        """All attempts of one local step; its record (with what its body spent), or None
+        when it was stopped."""
+        spent: list[StepContext] = []
+        record = await self._local_attempts(active, entry, body, rendered, steps, state, spent)
+        if record is not None:
+            record.update(_spent(spent))
+        return record
+
+    async def _local_attempts(self, active: Active, entry: dict[str, Any], body: Body,
+                              rendered: Any, steps: dict[str, Any], state: dict[str, Any],
+                              spent: list[StepContext]) -> dict[str, Any] | None:
+        """All attempts of one local step; its record, or None when it was stopped. Each
+        attempt's context goes to `spent` (its usage and spans)."""
         try:
             retry = parse_retry(entry.get("retry") or {})
         except EngineInvalid:
@@ -165,7 +178,7 @@ class LocalSteps:
             if timeout_ms is not None and (deadline is None or started + timeout_ms < deadline):
                 deadline, why = started + int(timeout_ms), "timeout"
             outcome, progress = await self._local_attempt(active, entry, body, rendered, steps,
-                                                         state, number, deadline, why)
+                                                         state, number, deadline, why, spent)
             ended = _ms()
             if progress is not None:
                 record["progress"] = progress
@@ -197,8 +210,8 @@ class LocalSteps:
 
     async def _local_attempt(self, active: Active, entry: dict[str, Any], body: Body,
                              rendered: Any, steps: dict[str, Any], state: dict[str, Any],
-                             number: int, deadline: int | None, why: str
-                             ) -> tuple[tuple[Any, ...], Any]:
+                             number: int, deadline: int | None, why: str,
+                             spent: list[StepContext]) -> tuple[tuple[Any, ...], Any]:
         """One attempt: ``(("ok", output, patch) | ("error", class, message) | ("stopped",),
         progress)``."""
         parent = active.ctx
@@ -206,8 +219,13 @@ class LocalSteps:
         lease.update({"step_id": entry["step_id"], "body": entry.get("body"), "attempt": number,
                       "input": rendered, "steps": dict(steps), "state": dict(state),
                       "idempotency_key": entry.get("idempotency_key"),
-                      "timeout_ms": entry.get("timeout_ms"), "execution_mode": "local"})
+                      "timeout_ms": entry.get("timeout_ms"), "execution_mode": "local",
+                      # The local step's span in the run's trace: its body's spans nest
+                      # under it (a daemon older than local spans sends none: derived).
+                      "span_id": entry.get("span_id")
+                      or local_span_id(active.lease["lease_id"], entry["step_id"])})
         ctx = StepContext(lease)
+        spent.append(ctx)
         host = LocalHost(parent, deadline, why)
         ctx._host = host
         active.local_ctx, active.local_async = ctx, body.is_async
@@ -234,6 +252,34 @@ class LocalSteps:
         if outcome[0] == "ok":
             return ("ok", outcome[1], dict(ctx._patch) if ctx._patch else None)
         return outcome
+
+
+def _spent(attempts: list[StepContext]) -> dict[str, Any]:
+    """A local step's ``usage`` and ``spans`` for its record, over all its attempts (a
+    failed attempt's model calls cost as much as a successful one's).
+
+    ``spans``: every attempt's, each with its own usage (the daemon prices each
+    by its model and sums them). ``usage``: only when a body called
+    ``ctx.set_usage`` (it overrides the sum of spans, as in a ``complete``):
+    then the sum over attempts of each one's override, else its spans' sum,
+    naming the model when every attempt set the same one.
+    """
+    out: dict[str, Any] = {}
+    spans = [s.to_json() for ctx in attempts for s in ctx.spans]
+    if spans:
+        out["spans"] = spans
+    overrides = [ctx._usage for ctx in attempts if ctx._usage is not None]
+    if overrides:
+        usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0}
+        for ctx in attempts:
+            u = ctx.usage
+            usage["input_tokens"] += u["input_tokens"]
+            usage["output_tokens"] += u["output_tokens"]
+        models = {o.get("model") for o in overrides}
+        if len(overrides) == len(attempts) and len(models) == 1 and None not in models:
+            usage["model"] = models.pop()
+        out["usage"] = usage
+    return out
 
 
 def _timeout_message(why: str, entry: dict[str, Any]) -> str:

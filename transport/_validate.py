@@ -192,6 +192,21 @@ def _span(value: Any, field: str) -> dict[str, Any]:
     return out
 
 
+def _local_body(record: dict[str, Any], field: str) -> dict[str, Any]:
+    """A local step's record with its body's ``usage`` and ``spans`` checked as a
+    ``complete``'s are (docs/affinity.md "Local steps": same limits, 400 naming
+    ``local_steps[i].spans[j]...``)."""
+    out = dict(record)
+    if "usage" in record:
+        out["usage"] = _usage(record["usage"], field_path(field, "usage"))
+    if record.get("spans") is not None:
+        spans = record["spans"]
+        if not isinstance(spans, list):
+            raise Invalid("must be an array", field=field_path(field, "spans"))
+        out["spans"] = [_span(s, f"{field}.spans[{i}]") for i, s in enumerate(spans)]
+    return out
+
+
 def _body_or_empty(body: Any) -> dict[str, Any]:
     """The body of a call whose body may be omitted (``started``, ``heartbeat``, ``cancel``)."""
     if body is NO_BODY:
@@ -350,7 +365,8 @@ def parse_complete(body: Any) -> dict[str, Any]:
         out["started"] = True
     if b.get("local_steps") is not None:
         parse_records(b["local_steps"])
-        out["local_steps"] = b["local_steps"]
+        out["local_steps"] = [_local_body(r, f"local_steps[{i}]")
+                              for i, r in enumerate(b["local_steps"])]
     if b.get("sticky_cursor") is not None:
         out["sticky_cursor"] = _sticky_cursor(b["sticky_cursor"])
     if b.get("sticky_stats") is not None:

@@ -16,10 +16,10 @@ from stepd.actors import (
 from stepd.sansio.definition import Definition, parse_definition
 from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.sansio.lease import Op
-from stepd.sansio.pricing import step_usage
+from stepd.sansio.pricing import PriceBook, step_usage
 from stepd.storage import Storage
 
-from . import ids, peers, store
+from . import ids, peers, store, work_store
 from ._api_base import ApiBase
 from .catalog import register_txn
 from .lease import CONFLICTS
@@ -262,6 +262,11 @@ class WorkerOps(ApiBase):
             body = dict(body or {})
             usage, spans = step_usage(body.get("usage"), body.get("spans"), self.config.prices)
             body["usage"], body["spans"] = usage, spans
+            if isinstance(body.get("local_steps"), list):
+                # Each local body's usage and spans are priced as a complete's are
+                # (docs/affinity.md "Local steps"), before anything is applied.
+                body["local_steps"] = [_priced_local(r, i, self.config.prices)
+                                       for i, r in enumerate(body["local_steps"])]
         token = next(_CALL_TOKENS)
         sent = False  # an incarnation took the call, then died before answering
         system = self.system
@@ -360,6 +365,8 @@ class WorkerOps(ApiBase):
                 "last_heartbeat_at": info["last_active"],
                 "leases": leases,
                 "sticky": _sticky_view(raw.get("sticky"), info.get("sticky")),
+                "sessions": _sessions_view(self.storage.read(work_store.held_txn, wid),
+                                           self.clock.time_ms()),
             })
         out.sort(key=lambda w: (not w["connected"], -(w["last_heartbeat_at"] or 0)))
         return out
@@ -375,6 +382,27 @@ class WorkerOps(ApiBase):
                  "registered_at": reg.registered_at, "definition": reg.definition.to_json(),
                  "worker_ids": sorted(held.get((name, reg.definition.version), ()))}
                 for name in self.catalog.names() for reg in self.catalog.versions(name)]
+
+
+def _priced_local(record: Any, i: int, book: PriceBook) -> Any:
+    """A local step's record with its usage and spans priced (left alone if it is not an
+    object: the run machine's parser names that field)."""
+    if not isinstance(record, dict) or (record.get("usage") is None and not record.get("spans")):
+        return record
+    usage, spans = step_usage(record.get("usage"), record.get("spans"), book,
+                              where=f"local_steps[{i}].")
+    return {**record, "usage": usage, "spans": spans}
+
+
+def _sessions_view(records: list[dict[str, Any]], now: int) -> list[dict[str, Any]]:
+    """The worker sessions a worker holds (docs/affinity.md "Worker sessions"): each one's
+    id, run, name, generation, since when (epoch ms), its holder lease's end and the
+    absolute TTL's."""
+    return [{"session_id": r["session_id"], "run_id": r["run_id"], "name": r["name"],
+             "status": r["status"], "generation": r["generation"],
+             "since": r.get("held_since"), "lease_until": r["lease_until"],
+             "expires_at": r["expires_at"],
+             "ttl_remaining_ms": max(0, int(r["expires_at"]) - now)} for r in records]
 
 
 def _sticky_view(settings: Any, counts: Any) -> dict[str, Any] | None:

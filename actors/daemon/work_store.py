@@ -19,7 +19,8 @@ from stepd.storage import ReadTxn, WriteTxn
 
 from .tables import IDX_WS_HOLDER, WORK_SESSIONS, WORKERS
 
-__all__ = ["Candidate", "acquire_txn", "candidates_txn", "save_txn", "session_capable"]
+__all__ = ["Candidate", "acquire_txn", "candidates_txn", "held_txn", "save_txn",
+           "session_capable"]
 
 #: A worker whose manifest supports sessions but names no ``max_sessions`` holds one.
 DEFAULT_MAX_SESSIONS = 1
@@ -91,3 +92,14 @@ def save_txn(txn: WriteTxn, record: dict[str, Any], freed: list[str]) -> None:
     for worker_id in freed:
         txn.delete(IDX_WS_HOLDER, _slot_key(worker_id, record["session_id"]))
     txn.put(WORK_SESSIONS, record["session_id"], record)
+
+
+def held_txn(txn: ReadTxn, worker_id: str) -> list[dict[str, Any]]:
+    """The records of the sessions whose slots `worker_id` holds (the workers API), by id."""
+    out = []
+    prefix = worker_id.encode() + b"\x00"
+    for key, _ in txn.scan_raw(IDX_WS_HOLDER, prefix=prefix):
+        record = txn.get(WORK_SESSIONS, key[len(prefix):].decode())
+        if isinstance(record, dict):
+            out.append(record)
+    return out

@@ -353,6 +353,12 @@ def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
     table.add_column("connected")
     table.add_column("leases", justify="right")
     table.add_column("last heartbeat", no_wrap=True)
+    # Worker affinity (docs/affinity.md): the negotiated protocol, what the worker
+    # supports (its flat capabilities, each marked supported in its manifest), and
+    # the worker sessions it holds.
+    table.add_column("protocol", no_wrap=True)
+    table.add_column("capabilities", overflow="fold")
+    table.add_column("sessions", justify="right")
     # Sticky execution's cache counts (docs/affinity.md), only when a worker has them.
     sticky = any(isinstance(w.get("sticky"), Mapping) for w in workers)
     if sticky:
@@ -362,7 +368,9 @@ def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
         cells = [w.get("worker_id"), w.get("name") or "", w.get("build_id") or "—",
                  w.get("concurrency", ""),
                  Text("yes" if connected else "no", style="green" if connected else "dim"),
-                 len(w.get("leases") or []), w.get("last_heartbeat_at") or "—"]
+                 len(w.get("leases") or []), w.get("last_heartbeat_at") or "—",
+                 w.get("protocol_version") or "—", _capabilities(w),
+                 len(w.get("sessions") or [])]
         if sticky:
             s = w.get("sticky")
             cells.append("/".join(str(_int(s.get(k))) for k in
@@ -370,6 +378,14 @@ def workers_table(workers: Sequence[Mapping[str, Any]]) -> Table:
                          if isinstance(s, Mapping) else "—")
         _row(table, *cells)
     return table
+
+
+def _capabilities(worker: Mapping[str, Any]) -> str:
+    """The capabilities a worker declared supported (``—``: none)."""
+    caps = worker.get("capabilities")
+    if not isinstance(caps, list) or not caps:
+        return "—"
+    return ", ".join(str(c) for c in caps)
 
 
 def _int(value: Any) -> int:

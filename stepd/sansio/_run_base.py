@@ -12,7 +12,8 @@ endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <-
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .canonical import state_bytes as canonical_state_bytes
@@ -240,6 +241,22 @@ class _RunBase:
             if limit is not None and value > limit:
                 return (name, limit, value)
         return None
+
+    def _add_usage(self, usage: Mapping[str, Any] | None) -> None:
+        """Add a step's priced usage (a completion's, or a local step's) to the run's totals.
+
+        Saturating: a total past what storage holds would fail every write of
+        the run (the transport bounds each report; this bounds the sum).
+        """
+        if not usage:
+            return
+        r = self.record
+        r.input_tokens = min(r.input_tokens + int(usage.get("input_tokens") or 0),
+                             MAX_TOKEN_TOTAL)
+        r.output_tokens = min(r.output_tokens + int(usage.get("output_tokens") or 0),
+                              MAX_TOKEN_TOTAL)
+        cost = r.cost_usd + float(usage.get("cost_usd") or 0.0)
+        r.cost_usd = cost if math.isfinite(cost) else r.cost_usd
 
     def _history_set(self, kind: str, key: str, old: Any, new: Any) -> None:
         """A history entry was written (steps or state): keep the sticky cursor current."""

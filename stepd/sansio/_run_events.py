@@ -7,7 +7,6 @@ these handlers.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 from ._run_base import (
@@ -16,7 +15,6 @@ from ._run_base import (
     MAX_BUFFERED_SIGNALS,
     MAX_IMMEDIATE_STEPS,
     MAX_SIGNAL_BYTES,
-    MAX_TOKEN_TOTAL,
     _jump_of,
     _retry_of,
     iso_ms,
@@ -53,7 +51,14 @@ from .events import (
 from .record import slot_key
 from .status import ErrorReason, RunStatus, SlotPhase
 from .sticky import MISSING as STICKY_MISSING
-from .sticky import StickyWorker, claim_holder, cursor_of, delta_since, start_tracking
+from .sticky import (
+    StickyWorker,
+    claim_holder,
+    cold_reason,
+    cursor_of,
+    delta_since,
+    start_tracking,
+)
 
 
 class _RunEvents(_RunLocal):
@@ -88,7 +93,7 @@ class _RunEvents(_RunLocal):
         spec = self._spec(step, f, slot)
         sticky_part: dict[str, Any] | None = None
         if ev.sticky is not None and isinstance(step, TaskStep):
-            sticky_part = self._sticky_lease(ev.sticky)
+            sticky_part = self._sticky_lease(ev.sticky, session=step.session is not None)
         tr.lease = {
             "lease_id": ev.lease_id,
             "fence": fence,
@@ -113,27 +118,33 @@ class _RunEvents(_RunLocal):
         if session is not None:
             tr.lease["session"] = session
         if ev.local_steps and ev.item_index is None:
-            plan = self.plan_for(ev.step_id)
+            plan = self.plan_for(ev.step_id, ev.lease_id)
             if plan:
                 tr.lease["local_steps"] = plan
                 tr.lease["run_input"] = self.record.input
         if sticky_part is not None:
             lease = tr.lease
             lease["sticky"] = sticky_part
-            if sticky_part["mode"] == "delta":
-                # The worker rebuilds these from its cache plus the delta.
+            if sticky_part["mode"] != "full":
+                # The worker rebuilds these from its cache plus the delta, or fetches
+                # them (cold).
                 del lease["steps"], lease["state"]
         return tr
 
-    def _sticky_lease(self, worker: StickyWorker) -> dict[str, Any]:
+    def _sticky_lease(self, worker: StickyWorker, *, session: bool) -> dict[str, Any]:
         """The ``sticky`` part of a task lease for a worker that declared sticky execution
-        (docs/affinity.md "Sticky execution").
+        (docs/affinity.md "Sticky execution", "The lease").
 
         To the holder (the worker that ran the previous step and cached the
         history at a cursor): a delta, the entries written after its cursor, with
         the base cursor and the resulting one, each naming the cache identity
-        (workflow, run, build id) it belongs to. To anyone else: the full history
-        as always, with its cursor, so the worker can start caching.
+        (workflow, run, build id) it belongs to. To another worker while the run
+        has a holder that was lost (`cold_reason`): no history at all, the
+        worker fetches it and counts a forced cold replay, as AFFINITY.md asks of
+        a holder loss. To anyone else (no holder yet, or the holder cached
+        nothing; a worker session's step pinned to a worker that is not the
+        sticky holder): the full history as always, with its cursor, so the
+        worker can start caching (a miss).
         """
         r = self.record
         if r.sticky is None:
@@ -142,6 +153,10 @@ class _RunEvents(_RunLocal):
         hold = sticky["hold"]
         identity = {"workflow": r.workflow, "run_id": r.run_id}
         cursor = {**cursor_of(sticky), **identity, "build_id": worker.build_id}
+        if hold is not None and hold["w"] != worker.worker_id:
+            reason = cold_reason(hold, session=session)
+            if reason is not None:
+                return {"mode": "cold", "reason": reason, "cursor": cursor}
         if hold is None or hold["w"] != worker.worker_id or hold["c"] > sticky["s"]:
             return {"mode": "full", "cursor": cursor}
         # The base names the build the holder cached under: a worker now running
@@ -204,15 +219,7 @@ class _RunEvents(_RunLocal):
         if sticky is not None and isinstance(step, TaskStep):
             claim_holder(sticky, slot.worker_id or "", ev.sticky)
         tr = Transition()
-        if ev.usage:
-            # Saturating: a total past what storage holds would fail every write of
-            # the run (the transport bounds each report; this bounds the sum).
-            r.input_tokens = min(r.input_tokens + int(ev.usage.get("input_tokens") or 0),
-                                 MAX_TOKEN_TOTAL)
-            r.output_tokens = min(r.output_tokens + int(ev.usage.get("output_tokens") or 0),
-                                  MAX_TOKEN_TOTAL)
-            cost = r.cost_usd + float(ev.usage.get("cost_usd") or 0.0)
-            r.cost_usd = cost if math.isfinite(cost) else r.cost_usd
+        self._add_usage(ev.usage)
         self._journal(
             tr, now, "step_completed", step_id=ev.step_id, item_index=ev.item_index,
             attempt=slot.attempt, fence=ev.fence, lease_id=slot.lease_id,

@@ -26,7 +26,7 @@ from ._run_steps import _RunSteps
 from .definition import TaskStep
 from .errors import Invalid
 from .events import Transition
-from .local_steps import LocalRecord, local_plan
+from .local_steps import LocalRecord, local_plan, local_span_id
 from .record import Frame, RunRecord
 from .status import ErrorReason
 
@@ -37,14 +37,20 @@ EXECUTION_MODE_LOCAL = "local"
 class _RunLocal(_RunSteps):
     __slots__ = ()
 
-    def plan_for(self, step_id: str) -> list[dict[str, Any]]:
-        """The lease plan of the local steps after task step `step_id` (empty: none)."""
+    def plan_for(self, step_id: str, lease_id: str) -> list[dict[str, Any]]:
+        """The lease plan of the local steps after task step `step_id` (empty: none).
+
+        Each entry carries the ``span_id`` of its step's span in the run's trace
+        (`local_span_id`): the local body's own spans are its children, as a
+        remote body's are the children of its lease's span.
+        """
         plan = local_plan(self.definition, step_id)
         r = self.record
         for entry in plan:
             visit = r.visits.get(entry["step_id"], 0) + 1
             key = f"{r.run_id}/{entry['step_id']}"
             entry["idempotency_key"] = key if visit == 1 else f"{key}#{visit}"
+            entry["span_id"] = local_span_id(lease_id, entry["step_id"])
         return plan
 
     def _snapshot(self) -> RunRecord:
@@ -88,13 +94,19 @@ class _RunLocal(_RunSteps):
             mark = {"execution_mode": EXECUTION_MODE_LOCAL, **parent}
             self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.text,
                           visit=visit, **mark)
+            # The body's usage and spans ride the step's terminal entry (the completion,
+            # or its last failed attempt), as a remote completion's ride step_completed.
+            body = {"usage": rec.usage or None, "spans": list(rec.spans) or None}
+            last = rec.attempts[-1]
             for a in rec.attempts:
                 self._journal(tr, now, "step_started", step_id=step.id, attempt=a.attempt,
                               started_ms=a.started_ms, **mark)
                 if a.error_class is not None:
                     self._journal(tr, now, "step_failed", step_id=step.id, attempt=a.attempt,
                                   error_class=a.error_class, message=a.message,
-                                  ended_ms=a.ended_ms, **mark)
+                                  ended_ms=a.ended_ms, **mark,
+                                  **(body if a is last else {}))
+            self._add_usage(rec.usage)
             if rec.error_class is not None:
                 why = f"{rec.error_class}: {rec.message}" if rec.message else rec.error_class
                 self._fail_run(ErrorReason.STEP_FAILED, why, step.id, tr, now)
@@ -106,9 +118,9 @@ class _RunLocal(_RunSteps):
                 except KeyError:
                     raise Invalid(f"{jump!r} is not a step of {self.definition.name!r}",
                                   field=f"{where}.output._next_step") from None
-            last = rec.attempts[-1]
             self._journal(tr, now, "step_completed", step_id=step.id, attempt=last.attempt,
-                          ended_ms=last.ended_ms, input=rec.input, progress=rec.progress, **mark)
+                          ended_ms=last.ended_ms, input=rec.input, progress=rec.progress, **mark,
+                          **body)
             index = self._finish_step(step, rec.output, tr, now, patch=rec.state_patch,
                                       cost_delta=step.cost_units, jump=jump)
         return index

@@ -18,6 +18,7 @@ from .errors import Fenced
 from .events import Runnable, SessionChanged, Transition
 from .session_spec import work_session_id
 from .status import ErrorReason, RunStatus, SlotPhase
+from .sticky import mark_holder_lost
 
 __all__ = ["_RunSessions"]
 
@@ -82,6 +83,7 @@ class _RunSessions(_RunBase):
                           worker_id=ev.worker_id, generation=ev.generation,
                           reacquire=ev.reacquire)
             entry.update(holder=None, status="pending" if ev.reacquire else "lost")
+            mark_holder_lost(self.record.sticky, ev.worker_id)
             if not ev.reacquire:
                 self._fail_run(ErrorReason.SESSION_LOST,
                                f"worker session {ev.name!r} lost its holder {ev.worker_id} "

@@ -15,6 +15,7 @@ Nothing here does I/O; the daemon (run machine) and the SDK both import it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -22,14 +23,16 @@ from typing import Any, Final
 from .definition import END, Definition, TaskStep
 from .errors import Invalid
 
-__all__ = ["MAX_LOCAL_STEPS", "LocalAttempt", "LocalRecord", "local_plan", "parse_records"]
+__all__ = ["MAX_LOCAL_STEPS", "LocalAttempt", "LocalRecord", "local_plan", "local_span_id",
+           "parse_records"]
 
 #: The most local steps one parent's completion may carry: a chain longer than
 #: this runs its rest as ordinary leases (the plan stops there).
 MAX_LOCAL_STEPS: Final = 32
 
 _RECORD_KEYS: Final = frozenset({"step_id", "input", "retry", "timeout_ms", "total_timeout_ms",
-                                 "attempts", "progress", "output", "error", "state_patch"})
+                                 "attempts", "progress", "output", "error", "state_patch",
+                                 "usage", "spans"})
 _ATTEMPT_KEYS: Final = frozenset({"attempt", "started_ms", "ended_ms", "output", "error"})
 
 
@@ -60,6 +63,20 @@ class LocalRecord:
     retry: Any = None
     timeout_ms: int | None = None
     total_timeout_ms: int | None = None
+    #: The body's usage and spans, as a ``complete`` carries them (validated and
+    #: priced by the daemon before the run machine sees them: `stepd.sansio.pricing`).
+    usage: dict[str, Any] | None = None
+    spans: tuple[dict[str, Any], ...] = ()
+
+
+def local_span_id(lease_id: str, step_id: str) -> str:
+    """The span id (16 hex digits) of local step `step_id` run under parent lease `lease_id`.
+
+    Derived, not stored: the lease plan hands it to the worker (so a local body's
+    spans name it as their parent) and the trace builder finds the same id from
+    the journal. Unique per lease: a plan never holds a step twice.
+    """
+    return hashlib.sha256(f"{lease_id}/local/{step_id}".encode()).hexdigest()[:16]
 
 
 def _following(definition: Definition, step: TaskStep) -> int | None:
@@ -119,7 +136,7 @@ def _error(value: Any, field: str) -> tuple[str, str]:
         raise Invalid('must be {"class": ..., "message": ...}', field=field)
     unknown = set(value) - {"class", "message"}
     if unknown:
-        raise Invalid(f"unknown field {sorted(unknown)[0]!r}", field=field)
+        raise Invalid(f"unknown field {min(unknown)!r}", field=field)
     cls = value.get("class")
     if not isinstance(cls, str) or not cls or len(cls) > 128:
         raise Invalid("must be a non-empty string", field=f"{field}.class")
@@ -134,7 +151,7 @@ def _attempt(raw: Any, field: str, expected: int) -> LocalAttempt:
         raise Invalid("must be an object", field=field)
     unknown = set(raw) - _ATTEMPT_KEYS
     if unknown:
-        raise Invalid(f"unknown field {sorted(unknown)[0]!r}", field=field)
+        raise Invalid(f"unknown field {min(unknown)!r}", field=field)
     number = _int(raw.get("attempt"), f"{field}.attempt")
     if number != expected:
         raise Invalid(f"must be {expected}: attempts are numbered 1, 2, ... in order",
@@ -154,7 +171,7 @@ def _record(raw: Any, field: str) -> LocalRecord:
         raise Invalid("must be an object", field=field)
     unknown = set(raw) - _RECORD_KEYS
     if unknown:
-        raise Invalid(f"unknown field {sorted(unknown)[0]!r}", field=field)
+        raise Invalid(f"unknown field {min(unknown)!r}", field=field)
     step_id = raw.get("step_id")
     if not isinstance(step_id, str) or not step_id:
         raise Invalid("must be a step id", field=f"{field}.step_id")
@@ -167,6 +184,14 @@ def _record(raw: Any, field: str) -> LocalRecord:
         if a.error_class is None:
             raise Invalid("only the last attempt may succeed", field=f"{field}.attempts[{i}]")
     last = attempts[-1]
+    usage = raw.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise Invalid("must be an object or null", field=f"{field}.usage")
+    spans = raw.get("spans")
+    if spans is not None and (not isinstance(spans, list)
+                              or not all(isinstance(x, dict) for x in spans)):
+        raise Invalid("must be an array of objects", field=f"{field}.spans")
+    body_spans = tuple(spans or ())
     patch = raw.get("state_patch")
     if patch is not None and not isinstance(patch, dict):
         raise Invalid("must be an object or null", field=f"{field}.state_patch")
@@ -179,7 +204,7 @@ def _record(raw: Any, field: str) -> LocalRecord:
             raise Invalid("a failed local step patches no state", field=f"{field}.state_patch")
         return LocalRecord(step_id, raw.get("input"), attempts, None, cls, message,
                            raw.get("progress"), None, raw.get("retry"), raw.get("timeout_ms"),
-                           raw.get("total_timeout_ms"))
+                           raw.get("total_timeout_ms"), usage, body_spans)
     if last.error_class is not None:
         raise Invalid("the last attempt failed: the record needs its terminal error",
                       field=f"{field}.error")
@@ -188,7 +213,7 @@ def _record(raw: Any, field: str) -> LocalRecord:
         raise Invalid("the terminal output must be the last attempt's", field=f"{field}.output")
     return LocalRecord(step_id, raw.get("input"), attempts, output, None, "",
                        raw.get("progress"), patch, raw.get("retry"), raw.get("timeout_ms"),
-                       raw.get("total_timeout_ms"))
+                       raw.get("total_timeout_ms"), usage, body_spans)
 
 
 def parse_records(raw: Any, *, field: str = "local_steps") -> tuple[LocalRecord, ...]:

@@ -68,7 +68,7 @@ class PriceBook:
                 prices.append(float(value))
             extra = set(entry) - {"input_per_million", "output_per_million"}
             if extra:
-                raise Invalid(f"unknown key {sorted(extra)[0]!r}", field=f"models.{name}")
+                raise Invalid(f"unknown key {min(extra)!r}", field=f"models.{name}")
             out[str(name)] = Price(*prices)
         return cls(out)
 
@@ -98,7 +98,7 @@ def check_usage(usage: Any, where: str) -> dict[str, Any]:
         raise Invalid("must be an object", field=where)
     unknown = set(usage) - {"model", "input_tokens", "output_tokens", "cost_usd"}
     if unknown:
-        raise Invalid(f"unknown key {sorted(unknown)[0]!r}", field=where)
+        raise Invalid(f"unknown key {min(unknown)!r}", field=where)
     model = usage.get("model")
     if model is not None and not isinstance(model, str):
         raise Invalid("must be a string", field=f"{where}.model")
@@ -110,9 +110,12 @@ def check_usage(usage: Any, where: str) -> dict[str, Any]:
 
 
 def step_usage(
-    usage: Any, spans: list[dict[str, Any]] | None, book: PriceBook
+    usage: Any, spans: list[dict[str, Any]] | None, book: PriceBook, *, where: str = ""
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None]:
     """Price a completion's usage: the explicit override, else the sum of its spans.
+
+    `where` prefixes the fields an error names: a local step's record is priced
+    the same way (``local_steps[0].spans[1].usage``).
 
     Returns the step's priced usage (None when nothing was reported) and the
     spans with each span's usage priced (`cost_usd` added).
@@ -129,7 +132,7 @@ def step_usage(
         for i, span in enumerate(spans):
             span = dict(span)
             if span.get("usage") is not None:
-                u = check_usage(span["usage"], f"spans[{i}].usage")
+                u = check_usage(span["usage"], f"{where}spans[{i}].usage")
                 cost = book.cost(u["model"], u["input_tokens"], u["output_tokens"])
                 span["usage"] = {**u, "cost_usd": cost}
                 total_in += u["input_tokens"]
@@ -138,7 +141,7 @@ def step_usage(
                 any_usage = True
             priced_spans.append(span)
     if usage is not None:
-        u = check_usage(usage, "usage")
+        u = check_usage(usage, f"{where}usage")
         cost = book.cost(u["model"], u["input_tokens"], u["output_tokens"])
         return {**u, "cost_usd": cost}, priced_spans
     if not any_usage:

@@ -25,7 +25,8 @@ run no sticky worker ever took: such a run's record is as it always was):
   absent there was written before tracking began, before any cursor handed out);
 * ``hold``: the worker that ran the previous step and cached the history
   (``w`` worker id, ``b`` build id, ``c``/``ch`` its cursor, ``ms`` its
-  ``sticky_schedule_ms``), or None.
+  ``sticky_schedule_ms``; ``x``, once the holder lost the run's worker session: the
+  reason a lease to another worker is cold), or None.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ __all__ = [
     "StickyWorker",
     "apply_delta",
     "claim_holder",
+    "cold_reason",
     "cursor_of",
     "delta_since",
     "entry_digest",
     "holder_of",
+    "mark_holder_lost",
     "start_tracking",
     "track",
     "update_hash",
@@ -179,3 +182,29 @@ def claim_holder(sticky: dict[str, Any], worker_id: str, claim: StickyClaim | No
     sticky["hold"] = {"w": worker_id, "b": claim.build_id, "c": claim.seq, "ch": claim.hash,
                       "ms": claim.schedule_ms}
     return True
+
+
+def mark_holder_lost(sticky: dict[str, Any] | None, worker_id: str | None) -> None:
+    """Worker `worker_id` lost a worker session of the run: if it is the sticky holder, the
+    session's next step goes to another worker with a cold lease."""
+    hold = None if sticky is None else sticky["hold"]
+    if hold is not None and hold["w"] == worker_id:
+        hold["x"] = "session_holder_lost"
+
+
+def cold_reason(hold: Mapping[str, Any], *, session: bool) -> str | None:
+    """Why a lease to a worker other than the holder `hold` is cold (the worker fetches the
+    history and counts a forced cold replay), or None: it carries the full history (a miss).
+
+    A holder that lost the run's worker session: ``session_holder_lost``. A step
+    of no session: the registry held it for the holder for its
+    ``sticky_schedule_ms``, or offered it at once because it forgot the holder; either
+    way the holder did not take it (SIGKILLed, expired, partitioned, or busy past its
+    schedule): ``holder_unavailable``. A session's step pinned to its session holder,
+    which is simply not the sticky holder (an earlier step ran elsewhere), is routing the
+    daemon chose, not a loss: None.
+    """
+    lost = hold.get("x")
+    if lost is not None:
+        return str(lost)
+    return None if session else "holder_unavailable"

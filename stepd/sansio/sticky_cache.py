@@ -12,9 +12,11 @@ A delta lease (``mode: "delta"``) is applied only if the entry exists, its
 build id is the one the base names, its cursor is the base cursor, and the
 delta applied to it yields exactly the lease's cursor hash: only then a *hit*.
 Anything else (no entry: never cached, evicted, expired, a replacement
-process; another build; a wrong base or result) answers `Fetch`: the worker
-gets the full history (``GET /v1/api/steps/{lease}/history``) and hands it to
-`fetched`, which counts a *forced_cold_replay*. Time is passed in.
+process; another build; a wrong base or result) answers `Fetch`, and so does
+a cold lease (``mode: "cold"``: the daemon's holder of the run was lost, the
+lease carries no history and says why): the worker gets the full history
+(``GET /v1/api/steps/{lease}/history``) and hands it to `fetched`, which
+counts a *forced_cold_replay*. Time is passed in.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """The cache cannot serve this delta lease: fetch the full history. `why` says what
-    failed (``no_entry``, ``build_mismatch``, ``base_mismatch``, ``result_mismatch``)."""
+    """The cache cannot serve this lease: fetch the full history. `why` says what failed
+    (``no_entry``, ``build_mismatch``, ``base_mismatch``, ``result_mismatch``, or
+    ``cold:<reason>`` for a cold lease: the daemon's reason)."""
 
     why: str
 
@@ -109,6 +112,8 @@ class StickyCache:
             self.stats.miss += 1
             steps, state = dict(lease.get("steps") or {}), dict(lease.get("state") or {})
             return Ready(steps, state, self._store(key, steps, state, cursor, now_ms))
+        if sticky.get("mode") == "cold":
+            return Fetch(f"cold:{sticky.get('reason')}")
         base = sticky["base"]
         if base.get("build_id") != self.build_id:
             return Fetch("build_mismatch")

@@ -16,7 +16,13 @@ writes), and `TraceBuilder.feed` turns them into finished `SpanData`:
   worker, attempt, fence, delivery and outcome as attributes;
 * the body spans the worker reported with ``complete``, under their own ids
   and parents (the attempt's span or an enclosing body span), with their
-  token usage and price.
+  token usage and price;
+* one span per local step (docs/affinity.md "Local steps"), child of the
+  parent lease's span it ran under, id `local_span_id(lease, step)` (what the
+  lease's plan handed the worker), with its attempts as events, and under it
+  the local body's own spans. The daemon has only the worker's times relative
+  to the step's first attempt, so the span ends at the commit that journaled
+  it and starts its measured duration earlier.
 
 The builder remembers the attempts it saw offered (start time, delivery,
 worker) until they end: bounded by `max_open` (the oldest is forgotten and
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._run_base import span_id_for, trace_id_for
+from .local_steps import local_span_id
 
 __all__ = ["RUN_ENDS", "SpanData", "TraceBuilder", "run_span_id", "span_attributes"]
 
@@ -171,9 +178,16 @@ class TraceBuilder:
         trace_id = trace_id_for(run_id)
         by_lease = {lease.get("lease_id"): lease for lease in leases}
         ended: set[str] = set()
+        local: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
         for entry in journal:
             kind = entry.get("type")
             lease_id = entry.get("lease_id")
+            if entry.get("execution_mode") == "local":
+                # Under the parent's lease id, but a step of its own: never the
+                # parent attempt's start or end.
+                if isinstance(lease_id, str) and kind != "step_scheduled":
+                    local.setdefault((lease_id, str(entry.get("step_id"))), []).append(entry)
+                continue
             if kind == "step_offered" and isinstance(lease_id, str):
                 self._offered(entry, lease_id, by_lease.get(lease_id))
             elif kind == "step_started" and isinstance(lease_id, str):
@@ -186,6 +200,8 @@ class TraceBuilder:
                                              by_lease.get(lease_id)))
             elif kind in RUN_ENDS:
                 out.append(self._run_span(trace_id, run_id, record, entry))
+        for (lease_id, step_id), entries in local.items():
+            out.extend(self._local_spans(trace_id, run_id, lease_id, step_id, entries))
         for lease_id, status, at in lease_status:
             if lease_id in ended:
                 continue
@@ -279,6 +295,43 @@ class TraceBuilder:
                 None if error is None else str(error),
             ))
         return out
+
+    # -- local steps ----------------------------------------------------------------------
+
+    def _local_spans(self, trace_id: str, run_id: str, lease_id: str, step_id: str,
+                     entries: list[Mapping[str, Any]]) -> list[SpanData]:
+        """A local step's span (its attempts as events) and its body's spans beneath."""
+        done = next((e for e in entries if e.get("type") == "step_completed"), None)
+        failed = [e for e in entries if e.get("type") == "step_failed"]
+        last = done if done is not None else (failed[-1] if failed else entries[-1])
+        end_ms = int(last.get("at") or 0)
+        duration = last.get("ended_ms")
+        start_ms = end_ms - duration if isinstance(duration, int) and duration >= 0 else end_ms
+        events: list[tuple[str, int, dict[str, Any]]] = []
+        for e in entries:
+            offset = e.get("started_ms") if e.get("type") == "step_started" else e.get("ended_ms")
+            at = start_ms + offset if isinstance(offset, int) else end_ms
+            if e.get("type") == "step_started":
+                events.append(("started", min(at, end_ms), {"stepd.attempt": e.get("attempt")}))
+            elif e.get("type") == "step_failed":
+                events.append(("attempt_failed", min(at, end_ms), span_attributes({
+                    "stepd.attempt": e.get("attempt"), "stepd.error_class": e.get("error_class"),
+                    "stepd.error_message": e.get("message")})))
+        error = None
+        extra: dict[str, Any] = _usage_attributes(last.get("usage"))
+        if done is None:
+            extra["stepd.error_class"] = last.get("error_class")
+            error = f"{last.get('error_class')}: {last.get('message') or ''}".rstrip(": ")
+        attributes = span_attributes({
+            "stepd.run_id": run_id, "stepd.step_id": step_id, "stepd.lease_id": lease_id,
+            "stepd.execution_mode": "local", "stepd.parent_step_id": last.get("parent_step_id"),
+            "stepd.worker_id": last.get("worker_id"), "stepd.attempt": last.get("attempt"),
+            "stepd.outcome": "completed" if done is not None else "failed", **extra,
+        })
+        span = SpanData(trace_id, local_span_id(lease_id, step_id), span_id_for(lease_id),
+                        f"step {step_id}", start_ms, end_ms, attributes, error, (),
+                        tuple(events))
+        return [span, *self._body_spans(trace_id, span.span_id, last.get("spans"))]
 
     # -- runs -----------------------------------------------------------------------------
 

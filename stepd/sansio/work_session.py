@@ -86,6 +86,7 @@ class WorkSessionRecord:
     lease_until: int | None = None
     lost_holders: list[str] = field(default_factory=list)
     ended: str | None = None  # why it is terminal: run_ended, holder_lost, expired
+    held_since: int | None = None  # when the current holder acquired it (the workers API)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,7 +96,7 @@ class WorkSessionRecord:
             "expires_at": self.expires_at, "status": self.status.text,
             "holder": self.holder, "generation": self.generation,
             "lease_until": self.lease_until, "lost_holders": list(self.lost_holders),
-            "ended": self.ended,
+            "ended": self.ended, "held_since": self.held_since,
         }
 
     @classmethod
@@ -107,6 +108,7 @@ class WorkSessionRecord:
             expires_at=d["expires_at"], status=WorkSessionStatus(d["status"]),
             holder=d["holder"], generation=d["generation"], lease_until=d["lease_until"],
             lost_holders=list(d["lost_holders"]), ended=d["ended"],
+            held_since=d.get("held_since"),  # absent from records written before it
         )
 
 
@@ -228,6 +230,7 @@ class WorkSessionMachine:
         r.status = WorkSessionStatus.HELD
         r.holder = ev.worker_id
         r.generation += 1
+        r.held_since = now
         r.lease_until = min(now + r.lease_ms, r.expires_at)
         return [NotifyRun("acquired", ev.worker_id, r.generation)]
 
@@ -248,6 +251,7 @@ class WorkSessionMachine:
         r = self.record
         effects: list[Effect] = [FreeSlot(r.holder)] if r.holder is not None else []
         r.status, r.holder, r.lease_until, r.ended = WorkSessionStatus.CLOSED, None, None, "run_ended"
+        r.held_since = None
         return effects
 
     def _on_tick(self, ev: Tick, now: int) -> list[Effect]:
@@ -272,7 +276,7 @@ class WorkSessionMachine:
         lost = r.holder
         effects: list[Effect] = [FreeSlot(lost)]
         r.lost_holders.append(lost)
-        r.holder, r.lease_until = None, None
+        r.holder, r.lease_until, r.held_since = None, None, None
         if r.reacquire is Reacquire.SAME_REQUIREMENTS:
             r.status = WorkSessionStatus.PENDING
             effects.append(NotifyRun("lost", lost, r.generation, reacquire=True))
@@ -286,6 +290,7 @@ class WorkSessionMachine:
         effects: list[Effect] = [FreeSlot(r.holder)] if r.holder is not None else []
         r.status, r.holder, r.lease_until, r.ended = (WorkSessionStatus.EXPIRED, None, None,
                                                       "expired")
+        r.held_since = None
         effects.append(NotifyRun("expired", None, r.generation))
         return effects
 

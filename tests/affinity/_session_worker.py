@@ -2,12 +2,15 @@
 
     python -m tests.affinity._session_worker --url URL --workflow NAME --gpu a100
         [--reacquire same_requirements|never] [--transport websocket|http] [--name NAME]
+        [--sticky]
 
 Started by the session tests with `subprocess` and SIGKILLed by its PID by some
 of them. It prints ``ready <worker_id>`` once registered, ``acquired
 <session_id> <generation>`` from its `on_session_acquired` hook, and ``body
 <step_id> <run_id> <generation>`` when a body runs, then serves until SIGTERM
-(a graceful stop, which closes its sessions) or SIGKILL.
+(a graceful stop, which closes its sessions) or SIGKILL. With ``--sticky`` it
+also keeps a sticky cache (8 runs), so a holder loss shows as a forced cold
+replay on the worker that takes the session over.
 
 The workflow (`session_flow`): ``load`` (session ``gpu``) -> wait for the
 signal ``go`` -> ``infer`` (session ``gpu``); ``gpu`` requires ``{"gpu":
@@ -54,6 +57,7 @@ def main() -> int:
     parser.add_argument("--reacquire", default="same_requirements")
     parser.add_argument("--transport", default="websocket", choices=("websocket", "http"))
     parser.add_argument("--name", default=None)
+    parser.add_argument("--sticky", action="store_true")
     args = parser.parse_args()
 
     def acquired(session: Any) -> None:
@@ -61,7 +65,8 @@ def main() -> int:
 
     worker = stepd.Worker(args.url, concurrency=4, name=args.name, transport=args.transport,
                           grace=5.0, resources={"gpu": args.gpu}, max_sessions=2,
-                          on_session_acquired=acquired)
+                          on_session_acquired=acquired,
+                          sticky_cache_capacity=8 if args.sticky else 0)
     worker.register(session_flow(args.workflow, args.reacquire))
 
     def announce() -> None:

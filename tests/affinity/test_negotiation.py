@@ -183,3 +183,44 @@ def test_a_declared_worker_gets_the_plan_and_its_records_are_journaled(
     local = [e for e in events if e.get("execution_mode") == "local"]
     assert [e["type"] for e in local] == ["step_scheduled", "step_started", "step_completed"]
     assert {e["lease_id"] for e in local} == {lease["lease_id"]}
+
+
+def span(span_id: str = "ab" * 8, **extra: Any) -> dict[str, Any]:
+    return {"span_id": span_id, "name": "llm.call", "start_ms": 1, "end_ms": 2, **extra}
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"usage": {"input_tokens": -1}}, "local_steps[0].usage.input_tokens"),
+    ({"usage": {"cost_usd": 1.0}}, "local_steps[0].usage.cost_usd"),
+    ({"spans": [span("xyz")]}, "local_steps[0].spans[0].span_id"),
+    ({"spans": [span(usage={"output_tokens": 1 << 41})]},
+     "local_steps[0].spans[0].usage.output_tokens"),
+    ({"spans": {"not": "an array"}}, "local_steps[0].spans"),
+])
+def test_a_local_records_usage_and_spans_are_checked_as_a_completes(
+        link: HttpLink | WsLink, daemon: DaemonProcess, change: dict[str, Any],
+        field: str) -> None:
+    name = f"local-usage-{link.transport}"
+    assert register(link, name, protocol_version="1.20", capabilities=["local_steps"],
+                    manifest=MANIFEST).kind == "ok"
+    [run] = start_runs(daemon.url, name, [1])
+    lease = take(link, "prep")
+    assert link.call("started", lease["lease_id"]).kind == "ok"
+    refused = link.call("complete", lease["lease_id"],
+                        {"output": 1, "local_steps": [{**RECORD, **change}]})
+    assert error_field(refused) == field
+    assert "step_completed" not in [e["type"] for e in events_of(daemon.url, run)]
+    # The same record with a good body: journaled, summed into the run's usage.
+    norm_span = lease["local_steps"][0]["span_id"]
+    good = {**RECORD, "usage": {"model": "m", "input_tokens": 30, "output_tokens": 3},
+            "spans": [span(parent_span_id=norm_span,
+                           usage={"model": "m", "input_tokens": 5, "output_tokens": 1})]}
+    assert link.call("complete", lease["lease_id"],
+                     {"output": 1, "usage": {"input_tokens": 100, "output_tokens": 10},
+                      "local_steps": [good]}).kind == "ok"
+    events = events_of(daemon.url, run)
+    [norm] = [e for e in events if e["type"] == "step_completed" and e["step_id"] == "norm"]
+    assert norm["usage"]["input_tokens"] == 30 and norm["spans"][0]["parent_span_id"] == norm_span
+    with httpx.Client(base_url=daemon.url, trust_env=False) as c:
+        usage = c.get(f"/v1/api/runs/{run}").json()["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (130, 13)

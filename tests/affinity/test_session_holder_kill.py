@@ -9,7 +9,9 @@ is SIGKILLed by its PID while the run waits for its signal. A's session lease
 
 * ``reacquire: "same_requirements"``: B takes the session over (generation 2),
   its ``on_session_acquired`` hook runs before ``infer``, which runs on B; C
-  (resources do not match) never gets a step of it;
+  (resources do not match) never gets a step of it. The workers keep sticky
+  caches: A was the run's sticky holder, so B's lease of ``infer`` is cold
+  (reason ``session_holder_lost``) and B counts a forced cold replay, not a miss;
 * ``reacquire: "never"``: the run fails with reason ``session_lost``.
 """
 
@@ -44,11 +46,11 @@ class SessionWorker:
     """A `_session_worker` subprocess, stopped by its PID and always reaped."""
 
     def __init__(self, url: str, workflow: str, gpu: str, reacquire: str, transport: str,
-                 name: str, logs: Path) -> None:
+                 name: str, logs: Path, sticky: bool) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STEPD_")}
         cmd = [sys.executable, "-m", "tests.affinity._session_worker", "--url", url,
                "--workflow", workflow, "--gpu", gpu, "--reacquire", reacquire,
-               "--transport", transport, "--name", name]
+               "--transport", transport, "--name", name] + (["--sticky"] if sticky else [])
         self.log = logs / f"{name}.log"
         with self.log.open("w") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
@@ -115,16 +117,18 @@ def wait_for(check: Any, what: str) -> Any:
     return eventually(check, timeout=WAIT_S, what=what, interval=0.05)
 
 
-def scenario(tmp_path: Path, transport: str, reacquire: str
-             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, SessionWorker]]:
-    """Run the scenario; returns the run's journal, its result and the workers."""
+def scenario(tmp_path: Path, transport: str, reacquire: str, *, sticky: bool = False
+             ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, SessionWorker],
+                        dict[str, Any]]:
+    """Run the scenario; returns the run's journal, its result, the workers and the
+    workers API's sticky counts by worker id (once the run ended)."""
     d = start_daemon(tmp_path / "data", *DAEMON_ARGS)
     workers: dict[str, SessionWorker] = {}
     workflow = f"sess-{uuid.uuid4().hex[:8]}"
     try:
         def spawn(name: str, gpu: str) -> SessionWorker:
             w = workers[name] = SessionWorker(d.url, workflow, gpu, reacquire, transport, name,
-                                              tmp_path)
+                                              tmp_path, sticky)
             w.ready()
             return w
 
@@ -137,7 +141,8 @@ def scenario(tmp_path: Path, transport: str, reacquire: str
             a.expect(f"body load {run_id}")
             wait_for(lambda: any(e["type"] == "step_completed" and e["step_id"] == "load"
                                  for e in journal(client, run_id)), "load completed")
-            b, c = spawn("b", "a100"), spawn("c", "t4")
+            b = spawn("b", "a100")
+            spawn("c", "t4")
             a.kill9()
             if reacquire == "same_requirements":
                 wait_for(lambda: any(e["type"] == "session_acquired"
@@ -147,13 +152,15 @@ def scenario(tmp_path: Path, transport: str, reacquire: str
             assert r.status_code in (200, 409), r.text  # 409 run_terminal: "never" failed it
             result = wait_for(lambda: _terminal(client, run_id), "the run's end")
             events = journal(client, run_id)
+            counts = {w["worker_id"]: w.get("sticky")
+                      for w in client.get("/v1/api/workers").json()["workers"]}
         for name in ("b", "c"):
             workers[name].stop()
         assert stop_daemon(d) == 0
         d.assert_quiet_log()
         for w in workers.values():
             w.drain()
-        return events, result, workers
+        return events, result, workers, counts
     finally:
         for w in workers.values():
             w.kill9()
@@ -169,7 +176,8 @@ def _terminal(client: httpx.Client, run_id: str) -> dict[str, Any] | None:
 @pytest.mark.parametrize("transport", ["websocket", "http"])
 def test_sigkill_of_the_holder_moves_the_session_to_a_matching_worker(
         tmp_path: Path, transport: str) -> None:
-    events, result, workers = scenario(tmp_path, transport, "same_requirements")
+    events, result, workers, counts = scenario(tmp_path, transport, "same_requirements",
+                                               sticky=True)
     a, b, c = workers["a"], workers["b"], workers["c"]
     assert result["status"] == "completed" and result["result"] == {"answer": {"n": 7}}
     sessions = [(e["type"], e.get("worker_id"), e.get("generation")) for e in events
@@ -186,12 +194,17 @@ def test_sigkill_of_the_holder_moves_the_session_to_a_matching_worker(
     body = next(i for i, line in enumerate(lines) if line.startswith("body infer"))
     assert hook < body
     assert not any(line.startswith(("acquired", "body")) for line in c.seen)
+    # A held the run's sticky cache; B's lease said so (cold) and B fetched the history.
+    b_counts = counts[b.worker_id]
+    assert {k: b_counts[k] for k in ("hit", "miss", "eviction", "forced_cold_replay")} == {
+        "hit": 0, "miss": 0, "eviction": 0, "forced_cold_replay": 1}
+    assert counts[a.worker_id]["miss"] == 1  # load: the run's first step, a cold start
 
 
 @pytest.mark.parametrize("transport", ["websocket", "http"])
 def test_sigkill_of_the_holder_with_reacquire_never_fails_the_run(
         tmp_path: Path, transport: str) -> None:
-    events, result, workers = scenario(tmp_path, transport, "never")
+    events, result, workers, _ = scenario(tmp_path, transport, "never")
     assert result["status"] == "failed" and result["error"]["reason"] == "session_lost"
     assert not [e for e in events if e["type"] == "step_offered" and e["step_id"] == "infer"]
     assert not any(line.startswith("body") for line in workers["b"].seen)

@@ -144,9 +144,14 @@ def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_
     holder.kill()
     other = workers(daemon.url, prefix, transport=transport, capacity=8)
     assert (finish(client, run), client.status(run).state) == off
-    # Not the holder: the daemon sends it the full history (a miss), then deltas.
+    # The holder was lost: the daemon's lease to the other worker is cold (no history,
+    # reason holder_unavailable), it fetches the history (a forced cold replay), then
+    # gets deltas.
     assert eventually(lambda: counts(client, other.worker_id) == {
-        "hit": 1, "miss": 1, "eviction": 0, "forced_cold_replay": 0}, what="the counts")
+        "hit": 1, "miss": 0, "eviction": 0, "forced_cold_replay": 1}, what="the counts")
+    cold = [e for e in client.journal(run) if e["type"] == "step_offered"
+            and e.get("step_id") == "s1"]
+    assert [e["worker_id"] for e in cold] == [other.worker_id]
     takers = {e.get("worker_id") for e in client.journal(run) if e["type"] == "step_completed"
               and e.get("step_id") in ("s1", "s2")}
     assert takers == {other.worker_id}

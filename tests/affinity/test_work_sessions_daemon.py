@@ -17,8 +17,7 @@ import anyio
 import pytest
 
 from stepd.actors import ManualClock
-from stepd.actors.daemon import Daemon, DaemonConfig
-from stepd.actors.daemon import store
+from stepd.actors.daemon import Daemon, DaemonConfig, store
 from stepd.actors.daemon.tables import IDX_WS_HOLDER
 from stepd.sansio.errors import Fenced, Invalid
 from stepd.sansio.lease import Op
@@ -195,7 +194,7 @@ async def test_max_concurrent_bounds_a_session_for_each(tmp_path: Path) -> None:
 async def test_a_graceful_close_hands_the_session_over_at_once(tmp_path: Path) -> None:
     async with daemon(tmp_path) as (d, clock):
         first = await register(d, flow("s5"), "a100", max_sessions=1)
-        run_id, _ = await d.start_run("s5", {})
+        _run_id, _ = await d.start_run("s5", {})
         lease = (await claim_some(d, first, clock))[0]
         sid = lease["session"]["session_id"]
         await finish(d, lease)
@@ -243,7 +242,7 @@ async def test_a_workers_max_sessions_is_never_exceeded(tmp_path: Path) -> None:
         clock.advance(1.0)
         await anyio.sleep(0.01)
         assert await claim(d, holder, 5) == []  # the other run's session has no slot
-        waiting = [r for r in runs if r != lease["run_id"]][0]
+        waiting = next(r for r in runs if r != lease["run_id"])
         assert d.status(waiting)["status"] == "running"
         await finish(d, lease)
         await d.cancel(lease["run_id"])  # its run ends: the session closes, the slot frees
@@ -363,3 +362,57 @@ async def test_retention_deletes_a_pruned_runs_session_records(tmp_path: Path) -
         assert d.storage.get(store.WORK_SESSIONS, sid) is None
         other = kept if lease["run_id"] == run_id else run_id
         assert d.storage.get(store.RUNS, other) is not None  # the live run keeps its own
+
+
+async def test_the_workers_api_lists_the_sessions_each_worker_holds(tmp_path: Path) -> None:
+    async with daemon(tmp_path) as (d, clock):
+        first = await register(d, flow("s10"), "a100", max_sessions=1)
+        run_id, _ = await d.start_run("s10", {})
+        lease = (await claim_some(d, first, clock))[0]
+        sid = lease["session"]["session_id"]
+        await finish(d, lease)
+        rec = record(d, sid)
+        clock.advance(1.0)
+
+        async def held_by() -> dict[str, list[dict[str, Any]]]:
+            return {w["worker_id"]: w["sessions"] for w in await d.workers()}
+
+        assert (await held_by())[first] == [{
+            "session_id": sid, "run_id": run_id, "name": "gpu", "status": "held",
+            "generation": 1, "since": rec["held_since"], "lease_until": rec["lease_until"],
+            "expires_at": rec["expires_at"],
+            "ttl_remaining_ms": rec["expires_at"] - clock.time_ms()}]
+        assert rec["created_at"] <= rec["held_since"] <= rec["lease_until"] <= rec["expires_at"]
+        second = await register(d, flow("s10"), "a100")
+        await d.session_close(sid, first)
+        await eventually(lambda: record(d, sid)["holder"] == second, what="handed over")
+        now = await held_by()
+        assert now[first] == []
+        [moved] = now[second]
+        assert moved["generation"] == 2 and moved["since"] == record(d, sid)["held_since"]
+        assert moved["expires_at"] == rec["expires_at"]  # the TTL moved with it, unchanged
+
+
+async def test_a_lost_holders_step_in_progress_ends_by_its_own_lease(tmp_path: Path) -> None:
+    """docs/affinity.md "Holder loss": the session moves, the attempt already running on
+    the old holder is not cut short: its lease (TTL 60 s here, longer than the session's
+    lease_ms) stays its authority; its completion is accepted once, the new holder never
+    gets a copy of it, and the session's next step goes to the new holder."""
+    async with daemon(tmp_path) as (d, clock):
+        first = await register(d, flow("s11"), "a100")
+        run_id, _ = await d.start_run("s11", {})
+        lease = (await claim_some(d, first, clock))[0]
+        sid = lease["session"]["session_id"]
+        await d.lease_call(lease["lease_id"], Op.STARTED, {})
+        second = await register(d, flow("s11"), "a100")
+        clock.advance(LEASE_MS / 1000 + 0.1)  # the session lease lapses; the step's does not
+        await eventually(lambda: record(d, sid)["holder"] == second, what="reacquired")
+        assert await claim(d, second) == []  # load is still the first holder's attempt
+        await d.lease_call(lease["lease_id"], Op.COMPLETE, {"output": "from first"})
+        await eventually(lambda: d.status(run_id)["status"] == "waiting", what="waits for go")
+        await d.signal(run_id, "go")
+        nxt = (await claim_some(d, second, clock))[0]
+        assert nxt["step_id"] == "infer" and nxt["steps"]["load"] == "from first"
+        # (An offer is journaled behind the lease it hands out.)
+        await eventually(lambda: [(e["step_id"], e["worker_id"]) for e in events(
+            d, run_id, "step_offered")] == [("load", first), ("infer", second)], what="offers")

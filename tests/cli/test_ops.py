@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from typing import Any
 
 import httpx
 import pytest
@@ -112,3 +114,54 @@ def kill_message_without_list(path: str) -> str:
     from stepd.cli.render import kill_message
 
     return kill_message(path, {"path": path})
+
+
+def _gpu_load(ctx: stepd.StepContext, input: Any) -> str:
+    return "loaded"
+
+
+def test_workers_shows_protocol_capabilities_and_held_sessions(
+        cli: Cli, client: stepd.Client) -> None:
+    """docs/affinity.md: the negotiated version, what the worker supports, and the worker
+    sessions it holds (in the table a count; in ``--json`` each session)."""
+    flow = (stepd.Workflow("cli_gpu", version="cli.v1")
+            .session("gpu", requirements={"gpu": "a100"}, ttl_ms=600_000)
+            .then(_gpu_load, session="gpu").wait("go"))
+    gpu = stepd.Worker(client, concurrency=2, name="cli-gpu", resources={"gpu": "a100"},
+                       max_sessions=2, local_steps=True).register(flow)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            gpu.serve(handle_signals=False)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, name="cli-gpu", daemon=True)
+    thread.start()
+    try:
+        assert gpu.wait_ready(20), errors
+        run = client.start("cli_gpu", {})
+        # The run waits for its signal inside the session: the holder keeps it.
+        eventually(lambda: client.status(run).status == "waiting", what="the run waits")
+        r = cli("workers")
+        assert r.exit_code == 0, r.stderr
+        (row,) = [line for line in r.stdout.splitlines() if "cli-gpu" in line]
+        assert "1.20" in row and "local_steps, sessions" in row
+        assert row.rstrip().endswith("1"), row  # one session held
+        (mine,) = [w for w in json.loads(cli("workers", "--json").stdout)
+                   if w["worker_id"] == gpu.worker_id]
+        (held,) = mine["sessions"]
+        assert (held["run_id"], held["name"], held["status"], held["generation"]) == (
+            run.run_id, "gpu", "held", 1)
+        assert held["session_id"].startswith("ws_")
+        assert held["since"] <= held["lease_until"] <= held["expires_at"]
+        assert 0 < held["ttl_remaining_ms"] <= 600_000
+        client.cancel(run)
+        eventually(lambda: not next(w for w in client.workers()
+                                    if w["worker_id"] == gpu.worker_id)["sessions"],
+                   what="the session closed with its run")
+    finally:
+        gpu.stop(2)
+        thread.join(20)
+    assert not thread.is_alive() and not errors, errors

@@ -118,3 +118,46 @@ def test_without_an_endpoint_nothing_of_opentelemetry_is_imported(tmp_path: Path
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["True", "[]"]
+
+
+def test_a_local_step_is_a_span_under_its_parent_with_its_body_spans_beneath(
+        tmp_path: Path) -> None:
+    """docs/affinity.md "Local steps": a local step ran with no lease of its own; the
+    export shows it as a span under the parent's attempt, and its body's spans (and the
+    application's) under it."""
+    name = unique("otel-local")
+    with otlp_sink() as sink:
+        provider = TracerProvider(resource=Resource({"service.name": "the-app"}))
+        provider.add_span_processor(BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=f"{sink.url}/v1/traces")))
+        tracer = provider.get_tracer("the-app")
+
+        def ask(ctx: stepd.StepContext) -> str:
+            return "asked"
+
+        def summarise(ctx: stepd.StepContext) -> str:
+            with ctx.span("llm.summary") as call, tracer.start_as_current_span("app.summary"):
+                call.set_usage(model="m", input_tokens=11, output_tokens=2)
+            return "summary"
+
+        workflow = stepd.Workflow(name).then(ask).then(summarise, local=True)
+        try:
+            with stepd.embedded(tmp_path / "data", otlp_endpoint=sink.url) as daemon:
+                client = stepd.Client(daemon)
+                worker = stepd.Worker(daemon, local_steps=True).register(workflow)
+                with serving(worker):
+                    run = client.start(name, None)
+                    assert run.result(timeout=30) == "summary"
+            assert provider.force_flush(10_000)
+        finally:
+            provider.shutdown()
+        spans = {s.name: s for s in sink.snapshot()}
+
+    root, ask_span, local = spans[f"run {name}"], spans["step ask"], spans["step summarise"]
+    assert ask_span.parent_span_id == root.span_id
+    assert local.parent_span_id == ask_span.span_id
+    assert local.attributes["stepd.execution_mode"] == "local"
+    assert local.attributes["gen_ai.usage.input_tokens"] == 11
+    assert spans["llm.summary"].parent_span_id == local.span_id
+    assert spans["app.summary"].parent_span_id == spans["llm.summary"].span_id
+    assert root.attributes["gen_ai.usage.input_tokens"] == 11

@@ -15,9 +15,10 @@ from stepd.sansio.capabilities import WorkerCapabilities, check_completion, gate
 from stepd.sansio.definition import Definition, parse_definition
 from stepd.sansio.errors import Invalid
 from stepd.sansio.events import AttemptCompleted, AttemptOffered, AttemptStarted, Runnable
-from stepd.sansio.local_steps import local_plan, parse_records
-from stepd.sansio.run import RunMachine
+from stepd.sansio.local_steps import local_plan, local_span_id, parse_records
+from stepd.sansio.run import RunMachine, span_id_for
 from stepd.sansio.status import RunStatus
+from stepd.sansio.trace import TraceBuilder
 
 
 def task(id: str, **kw: Any) -> dict[str, Any]:
@@ -238,3 +239,100 @@ def test_old_worker_records_read_as_version_one_without_capabilities() -> None:
     w = WorkerCapabilities.from_record({"worker_id": "w_1", "protocol_version": "1.0"})
     assert not w.supports("local_steps")
     assert worker().supports("local_steps")
+
+
+# --------------------------------------------------------------------------- usage and spans
+
+
+def priced(i: int, o: int, cost: float) -> dict[str, Any]:
+    return {"model": "m", "input_tokens": i, "output_tokens": o, "cost_usd": cost}
+
+
+def body_span(span_id: str, parent: str | None, usage: dict[str, Any]) -> dict[str, Any]:
+    return {"span_id": span_id, "parent_span_id": parent, "name": "llm.call",
+            "start_ms": 1_000, "end_ms": 1_005, "usage": usage}
+
+
+def test_the_plan_names_each_local_steps_span() -> None:
+    _, lease = started_parent(chain())
+    assert [p["span_id"] for p in lease["local_steps"]] == [
+        local_span_id("l_1", "norm"), local_span_id("l_1", "check")]
+    assert len({p["span_id"] for p in lease["local_steps"]} | {lease["span_id"]}) == 3
+
+
+def test_a_local_steps_usage_joins_the_runs_totals_and_its_spans_ride_its_entry() -> None:
+    m, _ = started_parent(chain(retry={"max_attempts": 2}))
+    norm_span = local_span_id("l_1", "norm")
+    spans = [body_span("a" * 16, norm_span, priced(100, 10, 0.5))]
+    tr = m.handle(AttemptCompleted(
+        "prep", None, 1, {"n": 5}, None, priced(1000, 100, 2.0), None,
+        parse_records([record("norm", err(1), ok(2, 10), usage=priced(300, 30, 1.0),
+                              spans=spans)])), 10)
+    r = m.record
+    assert (r.input_tokens, r.output_tokens, r.cost_usd) == (1300, 130, 3.0)
+    done = [e for e in tr.journal if e["type"] == "step_completed" and e["step_id"] == "norm"]
+    assert done[0]["usage"] == priced(300, 30, 1.0) and done[0]["spans"] == spans
+    # The failed attempt's entry carries nothing: one entry per record holds it.
+    failed = [e for e in tr.journal if e["type"] == "step_failed"]
+    assert "usage" not in failed[0] and "spans" not in failed[0]
+
+
+def test_a_failed_local_steps_usage_still_counts() -> None:
+    m, _ = started_parent(chain(retry={"max_attempts": 1}))
+    tr = m.handle(AttemptCompleted(
+        "prep", None, 1, {"n": 5}, None, None, None,
+        parse_records([record("norm", err(1, "fatal"), error={"class": "fatal", "message": "x"},
+                              usage=priced(7, 3, 0.25))])), 10)
+    assert m.record.status is RunStatus.FAILED
+    assert (m.record.input_tokens, m.record.output_tokens, m.record.cost_usd) == (7, 3, 0.25)
+    [last] = [e for e in tr.journal if e["type"] == "step_failed" and e.get("attempt") == 1]
+    assert last["usage"] == priced(7, 3, 0.25)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_local_step_past_max_cost_units_ends_the_run_as_a_remote_one_would(
+        local: bool) -> None:
+    """Budgets count cost units (WORKFLOWS.md "Budgets"); a local step's count in the
+    parent's transaction, and the breach is the same run failure either way."""
+    d = parse_definition({"name": "wf", "budgets": {"max_cost_units": 2}, "steps": [
+        task("prep"), task("norm", local=local, cost_units=5), task("tally")]})
+    m, _ = started_parent(d)
+    if local:
+        complete(m, [record("norm", ok(1, 1), usage=priced(9, 9, 9.0))])
+    else:
+        complete(m, [])
+        tr = m.handle(AttemptOffered("norm", None, "l_2", "w_1", "one"), 11)
+        assert tr.lease is not None
+        m.handle(AttemptCompleted("norm", None, tr.lease["fence"], 1, None,
+                                  priced(9, 9, 9.0), None), 12)
+    assert m.record.status is RunStatus.FAILED
+    assert m.record.error is not None
+    assert (m.record.error["reason"], m.record.error.get("budget")) == ("budget_exceeded",
+                                                                        "max_cost_units")
+    assert m.record.cost_usd == 9.0  # its usage is on record all the same
+
+
+def test_the_trace_shows_a_local_step_under_its_parent_and_its_spans_under_it() -> None:
+    m, _ = started_parent(chain())
+    norm_span = local_span_id("l_1", "norm")
+    spans = [body_span("b" * 16, norm_span, priced(5, 1, 0.1)),
+             body_span("c" * 16, "b" * 16, priced(2, 2, 0.2))]
+    tr = m.handle(AttemptCompleted(
+        "prep", None, 1, {"n": 5}, None, None, None,
+        parse_records([record("norm", err(1), {"attempt": 2, "started_ms": 4, "ended_ms": 9,
+                                               "output": 10}, usage=priced(7, 3, 0.3),
+                              spans=spans),
+                       record("check", ok(1, True))])), 1_000)
+    builder = TraceBuilder()
+    out = {s.span_id: s for s in builder.feed("r_1", m.record.to_dict(), tr.journal)}
+    parent = span_id_for("l_1")
+    assert out[parent].attributes["stepd.outcome"] == "completed"
+    norm = out[norm_span]
+    assert norm.parent_span_id == parent and norm.name == "step norm"
+    assert norm.attributes["stepd.execution_mode"] == "local"
+    assert norm.attributes["gen_ai.usage.input_tokens"] == 7
+    assert (norm.start_ms, norm.end_ms) == (1_000 - 9, 1_000)
+    assert [e[0] for e in norm.events] == ["started", "attempt_failed", "started"]
+    assert out["b" * 16].parent_span_id == norm_span
+    assert out["c" * 16].parent_span_id == "b" * 16
+    assert out[local_span_id("l_1", "check")].parent_span_id == parent

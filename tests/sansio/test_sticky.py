@@ -11,8 +11,14 @@ import pytest
 
 from stepd.sansio.definition import parse_definition
 from stepd.sansio.errors import Invalid
-from stepd.sansio.events import AttemptCompleted, AttemptOffered, SignalReceived
+from stepd.sansio.events import (
+    AttemptCompleted,
+    AttemptOffered,
+    SessionChanged,
+    SignalReceived,
+)
 from stepd.sansio.run import RunMachine
+from stepd.sansio.session_spec import work_session_id
 from stepd.sansio.sticky import (
     MISSING,
     StickyClaim,
@@ -89,7 +95,7 @@ def test_a_run_no_sticky_worker_took_stays_as_it_was() -> None:
     assert spec.prefer is None and spec.prefer_until is None
 
 
-def test_full_then_delta_to_the_holder_and_full_to_anyone_else() -> None:
+def test_full_then_delta_to_the_holder_and_cold_to_anyone_else() -> None:
     m = machine("a", "b", "c")
     first = offer(m, "a", "l1")
     assert first["sticky"]["mode"] == "full" and first["steps"] == {}
@@ -104,9 +110,56 @@ def test_full_then_delta_to_the_holder_and_full_to_anyone_else() -> None:
     # The next step prefers the holder for its schedule_ms, from when it was queued.
     (spec,) = m.runnable()
     assert (spec.prefer, spec.prefer_until) == ("w1", 2 + 500)
+    # w1 did not take it: the optimisation is lost. No history in the lease, a reason.
     other = offer(m, "c", "l3", StickyWorker("w2", "b1", 500), worker="w2")
-    assert other["sticky"]["mode"] == "full"
-    assert other["steps"] == {"a": {"x": 1}, "b": 2} and other["state"] == {"k": "v"}
+    assert (other["sticky"]["mode"], other["sticky"]["reason"]) == ("cold", "holder_unavailable")
+    assert other["sticky"]["cursor"]["build_id"] == "b1" and "base" not in other["sticky"]
+    assert "steps" not in other and "state" not in other
+    assert other["sticky"]["cursor"]["hash"] == view_hash({"a": {"x": 1}, "b": 2}, {"k": "v"})
+
+
+def test_a_run_whose_holder_never_cached_is_a_cold_start_not_a_cold_replay() -> None:
+    m = machine("a", "b")
+    lease = offer(m, "a", "l1")
+    assert lease["sticky"]["mode"] == "full"  # the first step: no holder ever
+    complete(m, "a", lease, 1, None, None)  # cached nothing: no holder
+    assert offer(m, "b", "l2", StickyWorker("w2", "b1", 500), worker="w2")["sticky"]["mode"] \
+        == "full"
+
+
+def session_machine() -> RunMachine:
+    d = parse_definition({"name": "wf", "sessions": {"gpu": {}}, "steps": [
+        {"id": "pre", "kind": "task", "body": "pre"},
+        {"id": "a", "kind": "task", "body": "a", "session": "gpu"},
+        {"id": "b", "kind": "task", "body": "b", "session": "gpu"}]})
+    m, _ = RunMachine.start(run_id="r_1", definition=d, input=None, now_ms=0)
+    return m
+
+
+def session_note(m: RunMachine, kind: str, worker: str, generation: int) -> None:
+    m.handle(SessionChanged("gpu", work_session_id("r_1", "gpu"), kind, worker, generation,
+                            reacquire=True), 3)
+
+
+def test_a_session_moved_on_holder_loss_sends_a_cold_lease() -> None:
+    m = session_machine()
+    w2 = StickyWorker("w2", "b1", 500)
+    pre = offer(m, "pre", "l0")
+    complete(m, "pre", pre, 0, None, claim_of(pre))
+    # The session's holder w2 is not the sticky holder w1: routing, not a loss (a miss).
+    session_note(m, "acquired", "w2", 1)
+    first = offer(m, "a", "l1", w2, worker="w2")
+    assert first["sticky"]["mode"] == "full"
+    complete(m, "a", first, 1, None, StickyClaim(**{
+        k: first["sticky"]["cursor"][k] for k in ("seq", "hash", "workflow")},
+        build_id="b1", schedule_ms=500))
+    # w2 loses the session; w3 takes it over: a cold lease naming why.
+    session_note(m, "lost", "w2", 1)
+    session_note(m, "acquired", "w3", 2)
+    moved = offer(m, "b", "l2", StickyWorker("w3", "b1", 500), worker="w3")
+    assert moved["sticky"]["mode"] == "cold"
+    assert moved["sticky"]["reason"] == "session_holder_lost"
+    assert "steps" not in moved and "state" not in moved
 
 
 def test_a_claim_that_is_not_the_current_cursor_changes_nothing() -> None:
@@ -192,6 +245,21 @@ def test_what_the_cache_cannot_serve_is_fetched(why: str) -> None:
     answer = {"cursor": {"seq": 3, "hash": result}, "steps": {"a": 1, "b": 2}, "state": {}}
     ready = cache.fetched(lease, answer, 2)
     assert ready.steps == {"a": 1, "b": 2} and cache.stats.forced_cold_replay == 1
+
+
+def test_a_cold_lease_is_fetched_whatever_the_cache_holds() -> None:
+    cache = StickyCache(4, 1 << 20, 1000, "b1")
+    cache.resolve(full_lease("r1", {"a": 1}, {}), 0)
+    result = view_hash({"a": 1, "b": 2}, {})
+    lease = {"workflow": "wf", "run_id": "r1", "lease_id": "l",
+             "sticky": {"mode": "cold", "reason": "holder_unavailable",
+                        "cursor": {"seq": 3, "hash": result}}}
+    assert cache.resolve(lease, 1) == Fetch("cold:holder_unavailable")
+    answer = {"cursor": {"seq": 3, "hash": result}, "steps": {"a": 1, "b": 2}, "state": {}}
+    ready = cache.fetched(lease, answer, 2)
+    assert ready.cursor is not None and ready.cursor["seq"] == 3
+    assert cache.stats.as_dict() == {"hit": 0, "miss": 1, "eviction": 0,
+                                     "forced_cold_replay": 1}
 
 
 def test_entries_expire_after_the_ttl() -> None:

@@ -86,7 +86,7 @@ def test_local_steps_run_in_the_parent_worker_with_no_lease_of_their_own(
     assert offered == ["prep", "tally"]  # no round trip for norm
     assert "step_orphaned" not in [e["type"] for e in events]
     # The workers list shows what the worker declared.
-    me = [w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id][0]
+    me = next(w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id)
     assert me["protocol_version"] == "1.20" and me["capabilities"] == ["local_steps"]
     assert me["manifest"]["local_steps"] == {"status": "supported"}
     assert me["manifest"]["sessions"] == {"status": "rejected"}
@@ -103,7 +103,7 @@ def test_a_worker_without_local_steps_gets_them_as_ordinary_leases(fast_stack: S
     assert [e["step_id"] for e in events if e["type"] == "step_offered"] == [
         "prep", "norm", "norm", "tally"]
     assert len({c[2] for c in seen.calls}) == 4  # a lease per attempt
-    me = [w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id][0]
+    me = next(w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id)
     assert me["capabilities"] == [] and me["manifest"]["local_steps"] == {"status": "rejected"}
 
 
@@ -175,7 +175,7 @@ def test_total_timeout_is_observed_at_heartbeat_in_a_sync_body(fast_stack: Stack
         eventually(lambda: fast_stack.client.status(run).status == "failed", what="the failure")
     assert stopped.is_set()
     events = fast_stack.client.journal(run)
-    failed = [e for e in events if e["type"] == "run_failed"][0]
+    failed = next(e for e in events if e["type"] == "run_failed")
     assert failed["error"]["step_id"] == "spin"
     assert failed["error"]["message"].startswith("total_timeout")
     # One attempt: the total timeout ends the step, no retry after it.
@@ -286,7 +286,7 @@ def test_local_steps_and_sticky_execution_on_one_worker(fast_stack: Stack) -> No
             if e["type"] == "step_offered"] == ["prep", "tally"]
 
     def mine() -> dict[str, Any]:
-        return [w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id][0]
+        return next(w for w in fast_stack.client.workers() if w["worker_id"] == worker.worker_id)
 
     me = mine()
     assert me["capabilities"] == ["local_steps", "sticky"]
@@ -298,3 +298,61 @@ def test_local_steps_and_sticky_execution_on_one_worker(fast_stack: Stack) -> No
     with pytest.raises(stepd.Invalid) as err:
         stepd.Worker(fast_stack.client, protocol_version="1.17", sticky_cache_capacity=4)
     assert err.value.field == "protocol_version"
+
+
+def test_a_local_bodys_usage_and_spans_are_priced_into_the_run_and_its_trace(
+        fast_stack: Stack) -> None:
+    """ctx.span / ctx.set_usage in a local body count as a remote body's do: priced with
+    the daemon's price book (model ``m``: 1 and 2 USD per million tokens), summed into
+    the run's usage, and shown in its trace under the local step's span."""
+    from stepd.sansio.local_steps import local_span_id
+    from stepd.sansio.trace import TraceBuilder
+
+    name = unique("localusage")
+
+    def ask(ctx: stepd.StepContext, input: Any) -> int:
+        with ctx.span("llm.call") as span:
+            span.set_usage(model="m", input_tokens=1000, output_tokens=500)
+        return 1
+
+    def summarise(ctx: stepd.StepContext, input: Any) -> int:
+        with ctx.span("llm.call", attempt=ctx.attempt) as span:
+            span.set_usage(model="m", input_tokens=100 * ctx.attempt, output_tokens=0)
+        if ctx.attempt == 1:
+            raise stepd.Retryable("try again")  # its tokens were spent all the same
+        return 2
+
+    def grade(ctx: stepd.StepContext, input: Any) -> int:
+        ctx.set_usage(model="m", input_tokens=7, output_tokens=3)
+        return 3
+
+    flow = (stepd.Workflow(name).then(ask)
+            .then(summarise, local=True, retry=NO_BACKOFF)
+            .then(grade, local=True))
+    worker = fast_stack.worker(flow, local_steps=True)
+    with serving(worker):
+        run = fast_stack.client.start(name, {})
+        assert run.result(timeout=20) == 3
+    status = fast_stack.client.status(run)
+    # 1000 + 100 + 200 + 7 in, 500 + 3 out.
+    assert (status.usage.input_tokens, status.usage.output_tokens) == (1307, 503)
+    assert status.usage.cost_usd == pytest.approx((1307 * 1 + 503 * 2) / 1e6)
+    events = fast_stack.client.journal(run)
+    assert [e["step_id"] for e in events if e["type"] == "step_offered"] == ["ask"]
+    lease_id = next(e["lease_id"] for e in events if e["type"] == "step_offered")
+    done = {e["step_id"]: e for e in events if e["type"] == "step_completed"}
+    summary_span = local_span_id(lease_id, "summarise")
+    assert [s["parent_span_id"] for s in done["summarise"]["spans"]] == [summary_span] * 2
+    assert done["summarise"]["usage"]["cost_usd"] == pytest.approx(300 / 1e6)
+    assert done["grade"]["usage"] == {"model": "m", "input_tokens": 7, "output_tokens": 3,
+                                      "cost_usd": pytest.approx((7 + 6) / 1e6)}
+    # The trace (what the OTel export sends): the local steps under the parent's span,
+    # their body spans under them.
+    spans = TraceBuilder().feed(run.run_id, {}, events)
+    by_id = {s.span_id: s for s in spans}
+    assert by_id[summary_span].attributes["stepd.execution_mode"] == "local"
+    assert [s.name for s in spans if s.parent_span_id == summary_span] == ["llm.call"] * 2
+    assert by_id[local_span_id(lease_id, "grade")].attributes["gen_ai.usage.input_tokens"] == 7
+    # The run's export lists them with the run's other spans.
+    assert len([s for s in fast_stack.client.export(run)["spans"]
+                if s["step_id"] == "summarise"]) == 2

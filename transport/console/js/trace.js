@@ -10,6 +10,13 @@
 // end_ms, name, parent_span_id, usage, attributes), nested by parent id
 // within their lease; a span whose parent is not among them (the lease's own
 // span) hangs under the attempt.
+//
+// Local steps (docs/affinity.md "Local steps") are journaled under their
+// parent's lease_id, marked execution_mode "local": each is a row of its own
+// under the parent attempt (never the parent's start, end or usage), with
+// its body's spans beneath it. Its entries are all stamped with the commit's
+// time, so its bar ends there and starts its measured duration (ended_ms,
+// the worker's clock) earlier.
 
 import {h, fill} from "./dom.js";
 import {duration, num, usd} from "./format.js";
@@ -24,9 +31,34 @@ export function buildTrace(journal, spans, now, terminal) {
   const first = journal.length ? journal[0].at : now;
   let last = first;
   const attemptOf = (e) => (e.lease_id ? attempts.get(e.lease_id) : undefined);
+  const locals = new Map();
+  const local = (e) => {
+    const key = `${e.lease_id}/${e.step_id}`;
+    if (e.type === "step_scheduled") {
+      const parent = attemptOf(e);
+      const row = {kind: "attempt", local: true, step_id: e.step_id, item_index: null, attempt: null,
+        worker_name: parent ? parent.worker_name : null, worker_id: e.worker_id, lease_id: e.lease_id,
+        offered: e.at, started: e.at, end: null, outcome: "running", error: null, usage: null, marks: [],
+        locals: [], key: `local/${key}/${e.seq}`};
+      locals.set(key, row);
+      if (parent) parent.locals.push(row); else top.push(row);
+      return;
+    }
+    const row = locals.get(key);
+    if (!row) return;
+    if (typeof e.attempt === "number") row.attempt = e.attempt;
+    if (e.type === "step_completed" || e.type === "step_failed") {
+      row.end = e.at;
+      if (typeof e.ended_ms === "number" && e.ended_ms >= 0) row.offered = row.started = e.at - e.ended_ms;
+      row.outcome = e.type === "step_completed" ? "completed" : "failed";
+      row.error = e.type === "step_failed" ? {class: e.error_class, message: e.message} : null;
+      if (e.usage) row.usage = e.usage;
+    }
+  };
 
   for (const e of journal) {
     if (typeof e.at === "number") last = Math.max(last, e.at);
+    if (e.execution_mode === "local") { local(e); continue; }
     switch (e.type) {
       case "step_scheduled": {
         if (e.kind && e.kind !== "task") {
@@ -44,7 +76,7 @@ export function buildTrace(journal, spans, now, terminal) {
         const row = {kind: "attempt", step_id: e.step_id, item_index: e.item_index, attempt: e.attempt,
           worker_name: e.worker_name, worker_id: e.worker_id, lease_id: e.lease_id, offered: e.at,
           started: null, end: null, outcome: "offered", error: null, usage: null, marks: [],
-          spans: [], key: `lease/${e.lease_id}`};
+          spans: [], locals: [], key: `lease/${e.lease_id}`};
         if (e.lease_id) attempts.set(e.lease_id, row);
         (parent && parent.kind === "step" ? parent.children : top).push(row);
         break;
@@ -103,11 +135,13 @@ export function buildTrace(journal, spans, now, terminal) {
     }
   }
 
+  // By lease and step: a local step's spans share its parent's lease.
   const byLease = new Map();
   for (const s of spans || []) {
     if (!s || typeof s.start_ms !== "number" || typeof s.end_ms !== "number") continue;
-    if (!byLease.has(s.lease_id)) byLease.set(s.lease_id, []);
-    byLease.get(s.lease_id).push(s);
+    const k = `${s.lease_id}/${s.step_id}`;
+    if (!byLease.has(k)) byLease.set(k, []);
+    byLease.get(k).push(s);
   }
   // Spans carry the workers' clocks: they may start before the journal's first event.
   let start = first;
@@ -118,7 +152,7 @@ export function buildTrace(journal, spans, now, terminal) {
 
   const rows = [];
   const pushSpans = (attempt, depth) => {
-    const list = byLease.get(attempt.lease_id) || [];
+    const list = byLease.get(`${attempt.lease_id}/${attempt.step_id}`) || [];
     const ids = new Set(list.map((s) => s.span_id));
     const kids = new Map();
     const roots = [];
@@ -133,7 +167,7 @@ export function buildTrace(journal, spans, now, terminal) {
       if (seen.has(s.span_id) || rows.length >= MAX_ROWS) return;  // a cycle in worker data: shown once
       seen.add(s.span_id);
       rows.push({kind: "span", depth: d, span: s, start: s.start_ms, end: s.end_ms,
-        key: `span/${attempt.lease_id}/${s.span_id}`});
+        key: `span/${attempt.lease_id}/${attempt.step_id}/${s.span_id}`});
       for (const c of (kids.get(s.span_id) || []).sort((a, b) => a.start_ms - b.start_ms)) walk(c, d + 1);
     };
     for (const r of roots.sort((a, b) => a.start_ms - b.start_ms)) walk(r, depth);
@@ -142,6 +176,7 @@ export function buildTrace(journal, spans, now, terminal) {
     if (rows.length >= MAX_ROWS) return;
     rows.push({...a, depth, start: a.offered});
     pushSpans(a, depth + 1);
+    for (const l of a.locals || []) pushAttempt(l, depth + 1);
   };
   for (const r of top) {
     if (rows.length >= MAX_ROWS) break;
@@ -184,6 +219,7 @@ function attemptLabel(r) {
   const item = r.item_index !== null && r.item_index !== undefined ? `[${r.item_index}]` : "";
   return [h("span", {class: "name"}, `${r.step_id}${item}`),
     h("span", {class: "tag"}, `#${r.attempt ?? "?"}`),
+    r.local ? h("span", {class: "tag", title: "ran in the parent's worker, no lease of its own"}, "local") : null,
     h("div", {class: "sub", title: r.worker_id || ""}, r.worker_name || r.worker_id || "")];
 }
 
