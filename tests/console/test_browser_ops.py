@@ -11,7 +11,8 @@ cancelled, and one whose name is markup. The tests create a schedule from the
 page and watch it fire, pause and delete it; retry a failed run from its page
 and watch it complete; fork a completed run after a step and follow the links
 both ways; cancel a run with a reason that is markup and script, and see it
-shown as text; and read the daemon page's export counts and retention.
+shown as text; read the daemon page's export counts and retention, and prune
+every finished run from it.
 
 Screenshots go to ``$STEPD_CONSOLE_SCREENSHOTS`` when it is set (as in
 test_browser.py), else to a temporary folder.
@@ -154,9 +155,9 @@ def _until(what: str, probe: Any) -> Any:
 def test_an_admin_creates_a_schedule_watches_it_fire_pauses_and_deletes_it(
         browser: Any, world: World) -> None:
     d = world.daemon
-    with d.client(KEYS["admin"]) as api:  # one that never fires during the test, for the picture
+    with d.client(KEYS["admin"]) as api:  # one that never fires during the test (Feb 29 only)
         nightly = api.post("/v1/api/schedules", json={
-            "workflow": "ops-forkable", "cron": "0 2 * * *", "timezone": "Europe/Paris",
+            "workflow": "ops-forkable", "cron": "0 2 29 2 *", "timezone": "Europe/Paris",
             "overlap": "buffer_one", "catchup_window_ms": "6h", "input": {"n": 1}}).json()
     page, watch = open_page(browser, d.url)
     sign_in(page, KEYS["admin"])
@@ -305,7 +306,7 @@ def test_cancel_with_a_hostile_reason_and_a_hostile_schedule_never_run(browser: 
     page.locator("details.create summary").click()
     form = page.locator("form.schedule-form")
     form.locator("input[name=workflow]").fill(HOSTILE_NAME)
-    form.locator("input[name=cron]").fill("0 3 * * *")
+    form.locator("input[name=cron]").fill("0 3 29 2 *")  # never during the test
     form.locator("input[name=input]").fill(json.dumps({"x": HOSTILE_REASON}))
     form.get_by_role("button", name="Create").click()
     page.locator(".banner.ok", has_text=HOSTILE_NAME).wait_for()
@@ -314,8 +315,8 @@ def test_cancel_with_a_hostile_reason_and_a_hostile_schedule_never_run(browser: 
     page.close()
 
 
-def test_the_daemon_page_shows_export_counts_and_retention_to_a_read_key(browser: Any,
-                                                                         world: World) -> None:
+def test_the_daemon_page_shows_export_counts_and_retention_and_an_admin_prunes(
+        browser: Any, world: World) -> None:
     d = world.daemon
     page, watch = open_page(browser, d.url)
     sign_in(page, KEYS["read"])
@@ -346,7 +347,28 @@ def test_the_daemon_page_shows_export_counts_and_retention_to_a_read_key(browser
     assert int(size.get_attribute("title").split()[0].replace(",", "")) > 0
     assert size.inner_text().endswith(("KiB", "MiB", "GiB"))
     assert "0 since the daemon started" in page.locator("[data-what=runs_pruned]").inner_text()
+    assert page.locator("form.prune").count() == 0  # a read key may not prune
+    # An admin prunes every finished run (this module's last use of them).
+    page.locator("#signout").click()
+    sign_in(page, KEYS["admin"])
+    goto(page, "#/daemon")
+    page.locator("[data-otel=on]").wait_for()
     shoot(page, world, "daemon")
+    with d.client(KEYS["read"]) as api:
+        by = api.get("/v1/api/stats").json()["runs_by_status"]
+    finished = sum(by[s] for s in ("completed", "failed", "cancelled", "timed_out"))
+    assert by["running"] == by["waiting"] == by["sleeping"] == 0 and finished >= 6
+    page.locator("form.prune input[name=before]").fill(
+        page.evaluate("() => { const d = new Date(Date.now() + 86400000);"
+                      " d.setMinutes(d.getMinutes() - d.getTimezoneOffset());"
+                      " return d.toISOString().slice(0, 16); }"))
+    page.locator("button[data-action=prune]").click()
+    page.locator("button[data-action=prune]", has_text="Confirm prune").click()
+    page.locator(".banner.ok", has_text=f"Deleted {finished} finished runs.").wait_for()
+    page.locator("[data-what=runs_pruned]", has_text=f"{finished} since").wait_for()
+    with d.client(KEYS["read"]) as api:
+        assert api.get(f"/v1/api/runs/{world.forkable}").status_code == 404
+        assert api.get("/v1/api/runs").json()["runs"] == []
     assert_clean(page, watch)
     page.close()
 

@@ -4,10 +4,14 @@
 //
 // GET /v1/api/daemon (read scope) answers what /metrics shows of these: a
 // console key must not need /metrics, and the page must not parse its text.
+// An admin key also gets Prune (POST /v1/api/runs/prune: finished runs that
+// ended before a time), armed on the first click as the actors' Kill is.
 
-import {api} from "./api.js";
+import {api, ApiError} from "./api.js";
 import {h, fill, link, facts, section} from "./dom.js";
-import {duration, num, STATUSES} from "./format.js";
+import {duration, num, toMs, localInput, STATUSES} from "./format.js";
+
+const ARM_MS = 5000;
 
 /** 1536 -> "1.5 KiB". */
 export function bytes(n) {
@@ -74,10 +78,55 @@ function aboutCard(d, stats) {
   ]));
 }
 
+/** The admin's prune form: every finished run that ended before a time, with its keys. */
+function pruneCard(ctx, say, after) {
+  const before = h("input", {type: "datetime-local", name: "before", value: localInput(Date.now() - 30 * 86_400_000),
+    "aria-label": "ended before", required: true});
+  const button = h("button", {type: "submit", class: "danger", dataset: {action: "prune"}}, "Prune");
+  let armed = 0;
+  const disarm = () => { armed = 0; button.classList.remove("armed"); button.textContent = "Prune"; };
+  const form = h("form", {class: "prune", onsubmit: async (ev) => {
+    ev.preventDefault();
+    const at = toMs(before.value);
+    if (!Number.isFinite(at)) { say("bad", "Prune refused: before: pick a time"); return; }
+    if (Date.now() - armed >= ARM_MS) {
+      armed = Date.now();
+      button.classList.add("armed");
+      button.textContent = "Confirm prune";
+      setTimeout(() => { if (Date.now() - armed >= ARM_MS) disarm(); }, ARM_MS + 50);
+      return;
+    }
+    disarm();
+    button.disabled = true;
+    try {
+      const answer = await api("/runs/prune", {method: "POST", body: {before: at}});
+      say("ok", `Deleted ${num(answer.deleted)} finished run${answer.deleted === 1 ? "" : "s"}` +
+        (answer.more ? "; more are left: prune again." : "."));
+    } catch (err) {
+      if (ctx.failed(err)) return;
+      say("bad", "Prune refused: ", err instanceof ApiError && err.field ? `${err.field}: ` : "",
+        err instanceof ApiError ? err.message : String(err));
+    } finally {
+      button.disabled = false;
+      await after();
+    }
+  }}, h("span", null, "Delete finished runs that ended before "), before, " ", button);
+  return section("Prune", "now, besides retention", form,
+    h("p", {class: "muted small"}, "Runs not yet over are never deleted. Idempotency keys taken before that time go too: a start with one of them starts a new run."));
+}
+
 export function mount(view, params, ctx) {
-  const slot = h("div");
-  fill(view, h("div", {class: "page-head"}, h("h1", null, "Daemon")), slot);
+  const admin = ctx.session.role === "admin";
   let sig = "";
+  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const slot = h("div");
+  const say = (kind, ...text) => {
+    banner.hidden = false;
+    banner.className = `banner ${kind}`;
+    fill(banner, ...text);
+  };
+  const prune = admin ? pruneCard(ctx, say, async () => { sig = ""; await refresh().catch(() => {}); }) : null;
+  fill(view, h("div", {class: "page-head"}, h("h1", null, "Daemon")), banner, slot, prune);
 
   async function refresh() {
     const [d, stats] = await Promise.all([api("/daemon"), api("/stats")]);
