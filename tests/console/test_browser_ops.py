@@ -176,13 +176,15 @@ def test_an_admin_creates_a_schedule_watches_it_fire_pauses_and_deletes_it(
     form.get_by_role("button", name="Create").click()
     form.locator("p.error", has_text="cron:").wait_for()
     form.locator("input[name=cron]").fill("* * * * * *")
+    form.locator("input[name=catchup]").fill("1h")
     form.get_by_role("button", name="Create").click()
     page.locator(".banner.ok", has_text="Created s_").wait_for()
     sid = page.locator(".banner.ok .mono").inner_text()
     with d.client(KEYS["read"]) as api:
         made = api.get(f"/v1/api/schedules/{sid}").json()
-    assert (made["workflow"], made["cron"], made["timezone"], made["input"]) == \
-        ("ops-tick", "* * * * * *", "UTC", {"n": 1})
+    assert (made["workflow"], made["cron"], made["timezone"], made["input"],
+            made["catchup_window_ms"], made["overlap"]) == \
+        ("ops-tick", "* * * * * *", "UTC", {"n": 1}, 3_600_000, "skip")
     row = page.locator(f"tr[data-schedule='{sid}']")
     assert "ops-tick" in row.inner_text() and "* * * * * *" in row.inner_text()
     # It fires: the run it started shows in its row, linked, and completes.

@@ -74,8 +74,8 @@ export function mount(view, params, ctx) {
       const body = {workflow: workflow.value.trim(), cron: cron.value.trim(),
         timezone: zone.value.trim() || "UTC", overlap: overlap.value};
       if (version.value.trim()) body.version = version.value.trim();
-      const window = catchup.value.trim();
-      if (window) body.catchup_window_ms = /^\d+$/.test(window) ? Number(window) : window;
+      const within = catchup.value.trim();  // ms, or a duration the daemon parses ("6h")
+      if (within) body.catchup_window_ms = /^\d+$/.test(within) ? Number(within) : within;
       if (input.value.trim()) {
         try { body.input = JSON.parse(input.value); } catch {
           error.hidden = false;
