@@ -19,6 +19,7 @@ from stepd._client_common import (
 )
 from stepd._listing import AsyncRunList, check_size, list_query
 from stepd._runs import TERMINAL, RunStatus
+from stepd._schedules import AsyncScheduleCalls
 from stepd.actors import current_time
 from stepd.channels.http import AsyncHttp, base_url
 from stepd.channels.inprocess import AsyncEmbedded
@@ -70,7 +71,7 @@ class AsyncRunHandle(Handle):
 # --------------------------------------------------------------------------- the client
 
 
-class AsyncClient:
+class AsyncClient(AsyncScheduleCalls):
     """The async twin of `Client` (asyncio or trio); every method is a coroutine.
 
     Args: as `Client`. Close it with ``await client.aclose()`` or ``async with``.

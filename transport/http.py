@@ -114,6 +114,7 @@ _STATIC_METHODS: Final[dict[str, dict[str, Handler]]] = {
         "/v1/api/actors/kill": {"POST": Operation.KILL},
         "/v1/api/definitions": {"GET": Operation.DEFINITIONS},
         "/v1/api/stats": {"GET": Operation.STATS},
+        "/v1/api/daemon": {"GET": Operation.DAEMON},
         "/v1/api/schedules": {"POST": Operation.CREATE_SCHEDULE,
                               "GET": Operation.LIST_SCHEDULES},
         "/v1/api/runs/prune": {"POST": Operation.PRUNE_RUNS},

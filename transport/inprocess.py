@@ -187,6 +187,10 @@ class InProcess:
         """``GET /v1/api/stats`` -> ``{"runs_by_status", "workers", "live_leases"}``."""
         return await self._call(Operation.STATS)
 
+    async def daemon(self) -> dict[str, Any]:
+        """``GET /v1/api/daemon`` -> ``{"version", "otel", "retention", "data_dir_bytes", ...}``."""
+        return await self._call(Operation.DAEMON)
+
 
     # -- schedules, retention (docs/schedules.md, docs/storage.md "Retention") ---------------
 

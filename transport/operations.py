@@ -10,6 +10,9 @@ the OpenAPI document fixes it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.metadata
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -34,9 +37,9 @@ from ._validate import (
     parse_kill,
     parse_prune,
     parse_register,
-    parse_session_call,
     parse_retry,
     parse_schedule_action,
+    parse_session_call,
     parse_signal,
     parse_start_run,
     parse_started,
@@ -78,6 +81,7 @@ class Operation(IdentityEnum):
     KILL = "kill"
     DEFINITIONS = "definitions"
     STATS = "stats"
+    DAEMON = "daemon"
     SESSION_RENEW = "session_renew"
     SESSION_CLOSE = "session_close"
     CREATE_SCHEDULE = "create_schedule"
@@ -322,6 +326,37 @@ async def _stats(p: Context, r: Request) -> Reply:
     })
 
 
+@functools.cache
+def _version() -> str:
+    # From the installed distribution: transport/ may not import the public API (stepd/).
+    try:
+        return importlib.metadata.version("stepd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def _daemon(p: Context, r: Request) -> Reply:
+    # What /metrics shows of the daemon's own housekeeping, for a read key (the
+    # console's Daemon page): /metrics itself is unauthenticated text for
+    # Prometheus, and a console key must not need it.
+    d = p.daemon
+    trace = d.services.trace
+    otel: dict[str, Any] = {"enabled": trace is not None}
+    if trace is not None:
+        otel.update(dataclasses.asdict(trace.statistics()))
+    config = d.config
+    return Reply(200, {
+        "version": _version(),
+        "otel": otel,
+        "retention": {"retention_ms": config.retention_ms or None,
+                      "idempotency_retention_ms":
+                          (config.idempotency_retention_ms or config.retention_ms) or None},
+        "data_dir_bytes": d.data_dir_bytes(),
+        "runs_pruned": d.stats.runs_pruned,
+        "audited": p.audited,
+    })
+
+
 # --------------------------------------------------------------------------- schedules, retention
 
 
@@ -402,6 +437,7 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
     Operation.KILL: OperationSpec(_A, _act.ACTORS_KILL, None, "required", _kill, mutation=True),
     Operation.DEFINITIONS: OperationSpec(_R, _act.DEFINITIONS_READ, None, "none", _definitions),
     Operation.STATS: OperationSpec(_R, _act.STATS_READ, None, "none", _stats),
+    Operation.DAEMON: OperationSpec(_R, _act.DAEMON_READ, None, "none", _daemon),
     # A schedule starts runs: creating, pausing, resuming or deleting one needs
     # what starting a run needs (execute; write or admin as fallbacks).
     Operation.CREATE_SCHEDULE: OperationSpec(_E, _act.SCHEDULES_CREATE, None, "required",

@@ -84,6 +84,7 @@ class AuditAction(IdentityEnum):
     SCHEDULES_RESUME = "schedules.resume"
     SCHEDULES_DELETE = "schedules.delete"
     RUNS_PRUNE = "runs.prune"
+    DAEMON_READ = "daemon.read"
 
 
 _ACTIONS: Final = frozenset(a.value for a in AuditAction)

@@ -1,12 +1,13 @@
-"""The console's static files as the daemon serves them, and the two reads the console added.
+"""The console's static files as the daemon serves them, and the three reads the console added.
 
 Against real ``stepd serve`` subprocesses: every file of ``transport/console/``
 is served at ``/ui/<name>`` with its content type, ``Cache-Control``, an
 ``ETag``, the strict ``Content-Security-Policy`` and ``nosniff``; nothing else
 is (no directory listing, no other file, no path traversal: raw requests, so
-no client tidies the path first). Then ``GET /v1/api/definitions`` and
-``GET /v1/api/stats``: their shapes (validated against the OpenAPI document),
-their scope (read), their audit entries, and the in-process adapter.
+no client tidies the path first). Then ``GET /v1/api/definitions``,
+``GET /v1/api/stats`` and ``GET /v1/api/daemon``: their shapes (validated
+against the OpenAPI document), their scope (read), their audit entries, and
+the in-process adapter.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stepd.transport.http import CONSOLE_CSP, CONTENT_TYPES, console_assets
 from stepd.transport.inprocess import InProcess
 from stepd.transport.openapi import load_openapi
 
-from .conftest import KEYS, DaemonProcess
+from .conftest import KEYS, DaemonProcess, start_daemon
 
 CONSOLE = Path(__file__).resolve().parents[2] / "transport" / "console"
 BOUND_S = 10.0
@@ -282,10 +283,54 @@ def test_stats_counts_runs_by_status_and_workers(keyless: DaemonProcess,
         assert validate(doc, "Stats", after) == []
 
 
+READS = ("definitions.read", "stats.read", "daemon.read")
+
+
+def test_the_daemon_status_without_export_or_retention(keyless: DaemonProcess,
+                                                       doc: dict[str, Any]) -> None:
+    with keyless.client() as c:
+        status = c.get("/v1/api/daemon").json()
+    assert validate(doc, "DaemonStatus", status) == []
+    assert status["otel"] == {"enabled": False}
+    assert status["retention"] == {"retention_ms": None, "idempotency_retention_ms": None}
+    files = sum(p.stat().st_size for p in keyless.data.rglob("*") if p.is_file())
+    assert status["data_dir_bytes"] == files > 0
+    assert status["runs_pruned"] == 0 and status["audited"] is True
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", status["version"])
+
+
+def test_the_daemon_status_shows_retention_and_prunes(tmp_path: Path,
+                                                      doc: dict[str, Any]) -> None:
+    d = start_daemon(tmp_path / "data", "--retention", "30d", "--idempotency-retention", "40d")
+    try:
+        with d.client() as c:
+            wid = c.post("/v1/api/workers/register", json={
+                "definitions": [_definition("prune-wf", None, "s")]}).json()["worker_id"]
+            run_id = c.post("/v1/api/runs",
+                            json={"workflow": "prune-wf", "input": 1}).json()["run_id"]
+            lease = c.post("/v1/api/steps/claim",
+                           json={"worker_id": wid, "wait_ms": 2000}).json()["leases"][0]
+            assert lease["run_id"] == run_id
+            c.post(f"/v1/api/steps/{lease['lease_id']}/started")
+            assert c.post(f"/v1/api/steps/{lease['lease_id']}/complete",
+                          json={"output": 1}).status_code == 200
+            far = "2999-01-01T00:00:00Z"
+            assert c.post("/v1/api/runs/prune", json={"before": far}).json()["deleted"] == 1
+            status = c.get("/v1/api/daemon").json()
+        assert validate(doc, "DaemonStatus", status) == []
+        day = 86_400_000
+        assert status["retention"] == {"retention_ms": 30 * day,
+                                       "idempotency_retention_ms": 40 * day}
+        assert status["runs_pruned"] == 1
+    finally:
+        assert d.stop() == 0, d.stderr()
+
+
 def test_the_new_reads_need_the_read_scope_and_are_audited(keyed: DaemonProcess) -> None:
     with keyed.client() as c:
         for path, action in (("/v1/api/definitions", "definitions.read"),
-                             ("/v1/api/stats", "stats.read")):
+                             ("/v1/api/stats", "stats.read"),
+                             ("/v1/api/daemon", "daemon.read")):
             assert c.get(path).status_code == 401
             assert c.get(path, headers={"Authorization": "Bearer nobody"}).status_code == 401
             for scope, key in KEYS.items():
@@ -293,7 +338,7 @@ def test_the_new_reads_need_the_read_scope_and_are_audited(keyed: DaemonProcess)
                 # With a read key configured, only read and admin keys read.
                 assert r.status_code == (200 if scope in ("read", "admin") else 403), (scope, path)
         admin = {"Authorization": f"Bearer {KEYS['admin']}"}
-        wanted = {(a, key_id(KEYS[s]), st) for a in ("definitions.read", "stats.read")
+        wanted = {(a, key_id(KEYS[s]), st) for a in READS
                   for s, st in (("read", 200), ("admin", 200), ("worker", 403), ("execute", 403),
                                 ("write", 403))}
         deadline = time.monotonic() + 5  # reads are committed a few ms after their answer
@@ -301,13 +346,13 @@ def test_the_new_reads_need_the_read_scope_and_are_audited(keyed: DaemonProcess)
         while time.monotonic() < deadline:
             entries = c.get("/v1/api/audit", params={"limit": 1000}, headers=admin).json()["entries"]
             found = {(e["action"], e["key_id"], e["status"]) for e in entries
-                     if e["action"] in ("definitions.read", "stats.read")}
+                     if e["action"] in READS}
             if wanted <= found:
                 break
             time.sleep(0.05)
         assert wanted <= found
         assert not any(e["key_id"] is None for e in entries
-                       if e["action"] in ("definitions.read", "stats.read"))  # 401s: never
+                       if e["action"] in READS)  # 401s: never
 
 
 @pytest.fixture(scope="module")
@@ -328,12 +373,13 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
 def test_in_process_definitions_and_stats(inproc: tuple[Any, Any]) -> None:
     daemon, portal = inproc
 
-    async def go() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    async def go() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         c = InProcess(daemon.protocol)
         reg = await c.register({"definitions": [_definition("inproc-wf", "v1", "a")]})
-        return reg, await c.definitions(), await c.stats()
+        return reg, await c.definitions(), await c.stats(), await c.daemon()
 
-    reg, defs, stats = portal.call(go)
+    reg, defs, stats, status = portal.call(go)
+    assert status["otel"] == {"enabled": False} and status["data_dir_bytes"] > 0
     (d,) = [d for d in defs["definitions"] if d["name"] == "inproc-wf"]
     assert d["worker_ids"] == [reg["worker_id"]] and d["version"] == "v1"
     assert stats["workers"]["registered"] >= 1

@@ -1,5 +1,6 @@
 """Schedules, prune and the data directory's size over HTTP against a real ``stepd serve``
-(uvicorn on 127.0.0.1, real LMDB): validation names the field, scopes, audit, metrics."""
+(uvicorn on 127.0.0.1, real LMDB): validation names the field, scopes, audit, metrics; and
+`stepd.AsyncClient`'s schedule and prune calls over HTTP."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+import stepd
 
 from ..cli._serve import ServeProcess, serve_process
 from ..daemon.helpers import seq_definition
@@ -125,3 +128,31 @@ def test_prune_needs_admin_and_metrics_show_the_data_directory(daemon: ServeProc
     data = Path(daemon.stderr_path).parent / "data"
     on_disk = sum(p.stat().st_size for p in data.iterdir() if p.is_file())
     assert abs(float(size.split()[1]) - on_disk) <= on_disk  # same files, a moment apart
+
+
+async def test_async_client_schedules_and_prune_over_http(daemon: ServeProcess) -> None:
+    """`stepd.AsyncClient`'s schedule and prune calls against the real daemon, with its scopes."""
+    async with stepd.AsyncClient(daemon.url, key=EXECUTE, trust_env=False) as execute, \
+            stepd.AsyncClient(daemon.url, key=READ, trust_env=False) as read, \
+            stepd.AsyncClient(daemon.url, key=ADMIN, trust_env=False) as admin:
+        with pytest.raises(stepd.Forbidden):
+            await read.create_schedule("seq", "0 9 * * *")
+        with pytest.raises(stepd.Invalid) as err:
+            await execute.create_schedule("seq", "0 9 * * *", overlap="queue_all")
+        assert err.value.field == "overlap"
+        made = await execute.create_schedule("seq", "*/5 * * * *", input={"n": 2},
+                                             timezone="Asia/Tokyo", overlap="buffer_one")
+        sid = made["schedule_id"]
+        assert made["timezone"] == "Asia/Tokyo" and made["paused"] is False
+        assert await read.schedule(sid) == made
+        assert sid in [s["schedule_id"] for s in await read.schedules(limit=1)]  # pages of one
+        with pytest.raises(stepd.Forbidden):
+            await read.pause_schedule(sid)
+        assert (await execute.pause_schedule(sid))["paused"] is True
+        assert (await execute.resume_schedule(sid))["paused"] is False
+        await execute.delete_schedule(sid)
+        with pytest.raises(stepd.NotFound):
+            await read.schedule(sid)
+        with pytest.raises(stepd.Forbidden):
+            await execute.prune_runs("2000-01-01T00:00:00Z")
+        assert await admin.prune_runs(0, limit=5) == {"deleted": 0, "more": False}

@@ -95,6 +95,7 @@ def test_actions_are_the_specified_twelve_the_consoles_two_and_retry_fork() -> N
         "runs.retry", "runs.fork",  # POST /v1/api/runs/{run}/retry, /fork (issue 15)
         "schedules.create", "schedules.list", "schedules.read", "schedules.pause",
         "schedules.resume", "schedules.delete", "runs.prune",  # docs/schedules.md, docs/storage.md
+        "daemon.read",  # GET /v1/api/daemon (docs/console.md "Daemon")
     }  # fmt: skip
 
 

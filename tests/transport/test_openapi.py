@@ -69,6 +69,7 @@ ENDPOINTS: dict[tuple[str, str], str | None] = {
     ("post", "/v1/api/actors/kill"): "admin",
     ("get", "/v1/api/definitions"): "read",
     ("get", "/v1/api/stats"): "read",
+    ("get", "/v1/api/daemon"): "read",  # the console's Daemon page (docs/console.md)
     ("post", "/v1/api/schedules"): "execute",
     ("get", "/v1/api/schedules"): "read",
     ("get", "/v1/api/schedules/{schedule}"): "read",

@@ -14,6 +14,8 @@ import * as run from "./run.js";
 import * as workers from "./workers.js";
 import * as actors from "./actors.js";
 import * as definitions from "./definitions.js";
+import * as schedules from "./schedules.js";
+import * as daemon from "./daemon.js";
 
 const POLL_MS = 2000;
 
@@ -46,6 +48,8 @@ function pageFor(parts) {
   if (first === "workers") return {page: workers, name: "workers"};
   if (first === "actors") return {page: actors, name: "actors"};
   if (first === "definitions") return {page: definitions, name: "definitions"};
+  if (first === "schedules") return {page: schedules, name: "schedules"};
+  if (first === "daemon") return {page: daemon, name: "daemon"};
   return null;
 }
 
@@ -65,7 +69,7 @@ function showWho() {
     whoEl.title = "This daemon has no API keys: it serves 127.0.0.1 only, and everyone on this machine is admin.";
   } else {
     whoEl.textContent = session.role === "admin" ? "admin key" : "read key";
-    whoEl.title = session.role === "admin" ? "This key may act (kill actors)." : "This key may read; it sees no actions.";
+    whoEl.title = session.role === "admin" ? "This key may act (kill actors; retry, fork and cancel runs; manage schedules)." : "This key may read; it sees no actions.";
   }
   signoutEl.hidden = session.keyless;
 }
@@ -141,7 +145,7 @@ function showKeyForm(problem) {
     start();
   }},
   h("h2", null, "Sign in"),
-  h("p", {class: "muted"}, "This daemon has API keys. A read key sees everything; an admin key may also kill actors. " +
+  h("p", {class: "muted"}, "This daemon has API keys. A read key sees everything; an admin key may also act: kill actors, retry, fork and cancel runs, manage schedules. " +
     "The key stays in this tab (sessionStorage) and is sent only to this daemon."),
   input, h("button", {type: "submit", class: "primary"}, "Sign in"), error);
   fill(view, h("div", {class: "center"}, form));

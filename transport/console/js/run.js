@@ -5,7 +5,14 @@
 // Live: every poll reads the small status (GET /v1/api/runs/{run}); the
 // export (journal and spans) is read again only when `updated_at` moved.
 // While the run is not over the waterfall is redrawn every poll (its running
-// bars grow with the clock); once it is over, nothing changes any more.
+// bars grow with the clock); once it is over, nothing changes any more (but
+// for a new fork of it: the status's `forks` say so).
+//
+// For a key that may act (admin, or no keys on loopback: the actors page's
+// rule) the Actions card offers what the run's status allows: Retry a failed
+// run (POST .../retry, it resumes this run at the failed step), Fork from a
+// completed step (POST .../fork, then the new run opens), Cancel a running
+// one with a reason (POST .../cancel). Every answer or refusal is shown.
 
 import {api, ApiError} from "./api.js";
 import {h, fill, link, badge, facts, section, jsonBlock, table} from "./dom.js";
@@ -123,6 +130,41 @@ function journalTable(journal) {
     `${num(journal.length - MAX_JOURNAL_ROWS)} more events: stepd run journal shows them all.`) : null];
 }
 
+/** The step ids that completed as a whole (not for_each items): what a fork may start after. */
+function completedSteps(journal) {
+  const seen = [];
+  for (const e of journal) {
+    if (e.type === "step_completed" && (e.item_index === undefined || e.item_index === null)
+        && e.step_id !== undefined && !seen.includes(e.step_id)) seen.push(e.step_id);
+  }
+  return seen;
+}
+
+function runLink(runId) {
+  return link(["runs", runId], null, h("span", {class: "mono"}, runId));
+}
+
+/** Fork and retry links, both ways, and the cancel reason: facts beside the overview. */
+function lineage(exp) {
+  const s = exp.status;
+  const from = exp.forked_from || s.forked_from;
+  const forks = exp.forks || s.forks || [];
+  const retries = (exp.journal || []).filter((e) => e.type === "run_retried");
+  const pairs = [
+    ["Forked from", from ? h("span", {class: "lineage", dataset: {link: "forked-from"}},
+      runLink(from.run_id), " after step ", h("span", {class: "mono"}, from.step_id)) : null],
+    ["Forks", forks.length ? h("ul", {class: "plain", dataset: {link: "forks"}}, forks.map((f) => h("li", null,
+      runLink(f.run_id), h("span", {class: "muted small"}, " after step "), h("span", {class: "mono small"}, f.step_id)))) : null],
+    ["Retried", retries.length ? h("ul", {class: "plain", dataset: {link: "retries"}}, retries.map((e) => h("li", null,
+      "at step ", h("span", {class: "mono"}, e.step_id ?? ""), h("span", {class: "muted small"}, ` · ${time(e.at)}`),
+      e.error && e.error.message ? h("span", {class: "muted small wrap"}, ` · had failed: ${e.error.message}`) : null))) : null],
+    ["Cancel reason", s.status === "cancelled" && s.error
+      ? h("span", {class: "wrap cancel-reason"}, s.error.message ?? "") : null],
+  ];
+  if (pairs.every(([, v]) => v === null)) return null;
+  return section("Lineage", "retries resume this run; forks are new runs", facts(pairs));
+}
+
 function dataCard(title, value, note) {
   return h("section", {class: "card data"},
     h("div", {class: "card-head"}, h("h2", null, title), note ? h("span", {class: "note"}, note) : null),
@@ -132,11 +174,114 @@ function dataCard(title, value, note) {
 export function mount(view, params, ctx) {
   const runId = ctx.arg;
   const path = `/runs/${encodeURIComponent(runId)}`;
-  const state = {updated: null, exp: null, open: new Set(), sig: ""};
+  const admin = ctx.session.role === "admin";
+  const state = {updated: null, exp: null, open: new Set(), sig: "", actSig: "", armed: 0};
   const head = h("div");
+  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const actionsSlot = h("div");
   const body = h("div");
   const traceSlot = h("div");
-  fill(view, h("nav", {class: "crumbs"}, link(["runs"], null, "Runs"), " / ", h("span", {class: "mono"}, runId)), head, body);
+  fill(view, h("nav", {class: "crumbs"}, link(["runs"], null, "Runs"), " / ", h("span", {class: "mono"}, runId)),
+    head, banner, actionsSlot, body);
+
+  function say(kind, ...text) {
+    banner.hidden = false;
+    banner.className = `banner ${kind}`;
+    fill(banner, ...text);
+  }
+
+  function refused(what, err) {
+    if (ctx.failed(err)) return;
+    say("bad", `${what} refused: `, err instanceof ApiError && err.field ? `${err.field}: ` : "",
+      err instanceof ApiError ? err.message : String(err));
+  }
+
+  async function reload() {
+    state.updated = null;  // read the export again, whatever the status says
+    await refresh().catch(() => {});
+  }
+
+  async function retry(button) {
+    button.disabled = true;
+    try {
+      const answer = await api(`${path}/retry`, {method: "POST", body: {}});
+      say("ok", "Retried at step ", h("span", {class: "mono"}, answer.step_id ?? ""), `: the run is ${String(answer.status).replace("_", " ")}.`);
+    } catch (err) {
+      refused("Retry", err);
+    } finally {
+      button.disabled = false;
+      await reload();
+    }
+  }
+
+  async function fork(stepId, button) {
+    button.disabled = true;
+    try {
+      const answer = await api(`${path}/fork`, {method: "POST", body: {from_step: stepId}});
+      if (!ctx.isCurrent()) return;
+      location.hash = `#/runs/${encodeURIComponent(answer.run_id)}`;  // the new run's page
+    } catch (err) {
+      refused("Fork", err);
+      button.disabled = false;
+    }
+  }
+
+  async function cancel(reason, button) {
+    button.disabled = true;
+    try {
+      await api(`${path}/cancel`, {method: "POST", body: reason ? {reason} : {}});
+      say("ok", "Cancelled", reason ? [": ", h("span", {class: "wrap"}, reason)] : "", ".");
+    } catch (err) {
+      refused("Cancel", err);
+    } finally {
+      state.armed = 0;
+      button.disabled = false;
+      await reload();
+    }
+  }
+
+  function renderActions() {
+    if (!admin || !state.exp) return;
+    const s = state.exp.status;
+    const steps = completedSteps(state.exp.journal || []);
+    const sig = JSON.stringify([s.status, steps]);
+    if (sig === state.actSig) return;  // keeps a reason being typed, a step picked
+    state.actSig = sig;
+    state.armed = 0;
+    const parts = [];
+    if (s.status === "failed") {
+      const button = h("button", {type: "button", class: "primary", dataset: {action: "retry"}}, "Retry");
+      button.addEventListener("click", () => retry(button));
+      parts.push(h("div", {class: "action"}, button,
+        h("span", {class: "muted small"}, ` resumes this run at the step it failed on${s.error && s.error.step_id ? " (" + s.error.step_id + ")" : ""}, with a fresh retry budget`)));
+    }
+    if (steps.length) {
+      const pick = h("select", {name: "from_step", "aria-label": "fork after step"},
+        steps.map((id) => h("option", {value: id}, id)));
+      pick.value = steps[steps.length - 1];
+      const button = h("button", {type: "button", dataset: {action: "fork"}}, "Fork");
+      button.addEventListener("click", () => fork(pick.value, button));
+      parts.push(h("div", {class: "action"}, h("span", null, "Fork after step "), pick, " ", button,
+        h("span", {class: "muted small"}, " a new run, with this run's journal up to that step")));
+    }
+    if (!TERMINAL.has(s.status)) {
+      const reason = h("input", {name: "reason", maxlength: 1000, placeholder: "reason (optional)",
+        autocomplete: "off", "aria-label": "cancel reason"});
+      const button = h("button", {type: "button", class: "danger", dataset: {action: "cancel"}}, "Cancel run");
+      button.addEventListener("click", () => {
+        if (Date.now() - state.armed < 5000) { cancel(reason.value.trim(), button); return; }
+        state.armed = Date.now();
+        button.classList.add("armed");
+        button.textContent = "Confirm cancel";
+        setTimeout(() => {
+          if (Date.now() - state.armed >= 5000) { button.classList.remove("armed"); button.textContent = "Cancel run"; }
+        }, 5050);
+      });
+      parts.push(h("div", {class: "action"}, reason, " ", button));
+    }
+    fill(actionsSlot, parts.length ? h("section", {class: "card actions-card"},
+      h("div", {class: "card-head"}, h("h2", null, "Actions")), parts) : null);
+  }
 
   function drawTrace() {
     const exp = state.exp;
@@ -181,8 +326,9 @@ export function mount(view, params, ctx) {
       s.status === "completed" ? dataCard("Result", s.result)
         : s.error ? dataCard("Error", s.error) : dataCard("Result", null, "not yet"));
     const journal = section("Journal", `${num((exp.journal || []).length)} events`, journalTable(exp.journal || []));
-    fill(body, h("div", {class: "cols2"}, overview, spend), error, trace, data, journal);
+    fill(body, h("div", {class: "cols2"}, overview, spend), lineage(exp), error, trace, data, journal);
     drawTrace();
+    renderActions();
   }
 
   async function refresh() {
@@ -199,7 +345,10 @@ export function mount(view, params, ctx) {
       throw err;
     }
     if (!ctx.isCurrent()) return;
-    if (!state.exp || status.updated_at !== state.updated || status.status !== state.exp.status.status) {
+    const forks = (status.forks || []).length;
+    const known = Math.min(100, ((state.exp && state.exp.forks) || []).length);
+    if (!state.exp || status.updated_at !== state.updated || status.status !== state.exp.status.status
+        || forks !== known) {
       const exp = await api(`${path}/export`);
       if (!ctx.isCurrent()) return;
       state.exp = exp;
