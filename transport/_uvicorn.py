@@ -10,7 +10,7 @@ read can still be closed.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -24,7 +24,13 @@ from websockets.exceptions import InvalidState
 
 from ._json import encode_json
 
-__all__ = ["LINGER_S", "HttpProtocol", "WebSocketProtocol", "http_protocol"]
+__all__ = ["LINGER_S", "WIRE_EXTENSION", "FrameSink", "HttpProtocol", "WebSocketProtocol",
+           "http_protocol"]
+
+WIRE_EXTENSION = "stepd.wire"
+"""The ASGI scope extension naming the `WebSocketProtocol` under a WebSocket
+(``scope["extensions"]["stepd.wire"]["protocol"]``): the app reads and writes
+frames through it directly (`WebSocketProtocol.attach`, `send_frames`)."""
 
 
 LINGER_S = 2.0
@@ -252,6 +258,32 @@ def http_protocol(*, max_request_ms: int, max_header_bytes: int,
     })
 
 
+class FrameSink(Protocol):
+    """Where a `WebSocketProtocol` hands the messages it parses once attached."""
+
+    def frames_received(self, frames: list[bytes | str]) -> None:
+        """The whole messages of one read of the socket, in order (bytes: binary, str: text)."""
+
+    def peer_closed(self) -> None:
+        """The connection is over (the peer closed, vanished, or the server is stopping)."""
+
+
+class _Relay:
+    """Stands in for uvicorn's receive queue once a sink is attached: the only
+    messages uvicorn still puts there are disconnects, which end the sink."""
+
+    __slots__ = ("_wire",)
+
+    def __init__(self, wire: WebSocketProtocol) -> None:
+        self._wire = wire
+
+    def put_nowait(self, message: Any) -> None:
+        self._wire._relay_disconnect()
+
+    def empty(self) -> bool:
+        return True
+
+
 class WebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, able to close a peer that does not read.
 
@@ -262,7 +294,137 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     writing is paused goes out behind what waits, and the connection is
     aborted if the peer has not answered it within the close timeout; a
     keepalive timeout with unsent data aborts at once.
+
+    **Frames without the receive queue.** uvicorn hands each message to the
+    app through an `asyncio.Queue` (a task switch per message before the app
+    sees it) and pauses reading after every one until the app took it. The
+    worker WebSocket instead `attach`-es a `FrameSink`: every whole message of
+    one read goes to it in one call, inside ``data_received`` (no queue, no
+    task switch), so frames that arrive together are applied together. The
+    sink keeps backpressure itself (`pause_reading` while its frames wait;
+    what one read can hold is bounded by the read size and ``ws_max_size``).
+    Answers go out through `send_frames`: several frames, one socket write.
+
+    Attributes:
+        data_writes: socket writes that carried frames sent by `send_frames`.
+        frames_sent: frames sent by `send_frames`.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sink: FrameSink | None = None
+        self._received: list[bytes | str] = []  # the messages of the read being parsed
+        self._sink_closed = False
+        self.data_writes = 0
+        self.frames_sent = 0
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:
+            cast(dict[str, Any], scope["extensions"])[WIRE_EXTENSION] = {"protocol": self}
+
+    # -- the sink (frames read in the protocol callback) ---------------------------------
+
+    def attach(self, sink: FrameSink) -> None:
+        """From now on hand messages to `sink`, not to the receive queue.
+
+        What the queue already holds (frames sent right behind the upgrade, a
+        disconnect) goes to the sink first, in order.
+        """
+        queued: list[bytes | str] = []
+        gone = False
+        queue = self.queue
+        while not queue.empty():
+            message = queue.get_nowait()
+            if message["type"] == "websocket.receive":
+                data = message.get("bytes")
+                queued.append(data if data is not None else message.get("text") or "")
+            elif message["type"] == "websocket.disconnect":
+                gone = True
+        self._sink = sink
+        self.queue = _Relay(self)  # type: ignore[assignment]
+        if queued:
+            sink.frames_received(queued)
+        if gone:
+            self._relay_disconnect()
+        elif self.read_paused and not self.close_sent:
+            self.resume_reading()  # uvicorn paused after a message; the sink decides now
+
+    def pause_reading(self) -> None:
+        """The sink's frames wait: stop reading (TCP pushes back on the peer)."""
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        received = self._received
+        if received:
+            self._received = []
+            sink = self._sink
+            if sink is not None:
+                sink.frames_received(received)
+
+    def send_receive_event_to_app(self) -> None:
+        if self._sink is None:
+            super().send_receive_event_to_app()
+            return
+        frames = self.frames
+        data = frames[0] if len(frames) == 1 else b"".join(frames)
+        self.frames = []
+        if self.close_sent:
+            return  # past our close: dropped, reading goes on until the peer's close
+        if self.curr_msg_data_type == "text":
+            try:
+                self._received.append(data.decode())
+            except UnicodeDecodeError:
+                self.logger.warning("Invalid UTF-8 sequence received from client.")
+                self.conn.send_close(1007)
+                self.handle_parser_exception()
+        else:
+            self._received.append(data)
+
+    def _relay_disconnect(self) -> None:
+        """A disconnect (uvicorn put it in its queue): the frames parsed before it, then the end."""
+        received = self._received
+        sink = self._sink
+        if received:
+            self._received = []
+            if sink is not None:
+                sink.frames_received(received)
+        if sink is not None and not self._sink_closed:
+            self._sink_closed = True
+            sink.peer_closed()
+
+    def send_frames(self, frames: list[bytes | str]) -> None:
+        """Send data frames (bytes: binary, str: text) in one socket write.
+
+        The caller waits for ``writable`` first (the transport's buffer is
+        bounded by it, as uvicorn's ``send`` does).
+
+        Raises:
+            ClientDisconnected: the connection is gone or closing.
+        """
+        if self.disconnected or self.close_sent:
+            raise ClientDisconnected()
+        conn = self.conn
+        try:
+            for frame in frames:
+                if type(frame) is bytes:
+                    conn.send_binary(frame)
+                else:
+                    conn.send_text(cast(str, frame).encode())
+        except InvalidState:
+            raise ClientDisconnected() from None
+        self.transport.write(b"".join(conn.data_to_send()))
+        self.data_writes += 1
+        self.frames_sent += len(frames)
 
     async def send(self, message: Any) -> None:
         if (message["type"] == "websocket.close" and not self.writable.is_set()

@@ -79,8 +79,10 @@ from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
 
 from ._json import JSON_ENCODER
+from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
+from ._ws_slots import Slots as _Slots
 from .auth import Forbidden, Principal, Unauthorized
 from .protocol import (
     CrossSite,
@@ -190,7 +192,9 @@ class WorkerSockets:
             await _reject(scope, send, reply.status, reply.body)
             return
         await send({"type": "websocket.accept", "subprotocol": chosen})
-        conn = WorkerConnection(self, principal, chosen, receive, send)
+        wire = scope.get("extensions", {}).get(WIRE_EXTENSION, {}).get("protocol")
+        conn = WorkerConnection(self, principal, chosen, receive, send,
+                                wire if isinstance(wire, WebSocketProtocol) else None)
         await conn.run()
 
 
@@ -210,39 +214,9 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.close", "code": 1008})
 
 
-class _Slots:
-    """A counting semaphore that takes a free slot without an event loop turn.
-
-    anyio's `Semaphore.acquire` checkpoints even when a slot is free; this one
-    waits (on a `Waiter`, in FIFO order) only when none is. Event loop thread only.
-    """
-
-    __slots__ = ("_free", "_waiting")
-
-    def __init__(self, n: int) -> None:
-        self._free = n
-        self._waiting: collections.deque[Waiter] = collections.deque()
-
-    async def acquire(self) -> None:
-        if self._free > 0 and not self._waiting:
-            self._free -= 1
-            return
-        waiter = Waiter()
-        self._waiting.append(waiter)
-        try:
-            await waiter.wait()
-        except BaseException:
-            if waiter.is_set():
-                self.release()  # handed a slot this caller will not use
-            else:
-                self._waiting.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        if self._waiting:
-            self._waiting.popleft().set()  # the slot passes straight to the next in line
-        else:
-            self._free += 1
+def _size(item: bytes | str) -> int:
+    """A message's size in bytes (a text message's in UTF-8)."""
+    return len(item) if isinstance(item, bytes) else len(item.encode())
 
 
 class WorkerConnection:
@@ -255,7 +229,7 @@ class WorkerConnection:
     """
 
     def __init__(self, sockets: WorkerSockets, principal: Principal, subprotocol: str,
-                 receive: Receive, send: Send) -> None:
+                 receive: Receive, send: Send, wire: WebSocketProtocol | None = None) -> None:
         self.sockets = sockets
         self.protocol = sockets.protocol
         self.principal = principal
@@ -264,10 +238,18 @@ class WorkerConnection:
         self._binary = subprotocol == MSGPACK_SUBPROTOCOL
         self._receive = receive
         self._send = send
+        # stepd's own uvicorn protocol (`stepd serve`): frames come from its
+        # callback (`frames_received`) and leave through `send_frames`. None
+        # under another ASGI server: the ASGI receive and send then.
+        self._wire = wire
+        self._inbox: collections.deque[bytes | str] = collections.deque()
+        self._inbox_wake: Waiter | None = None
+        self._inbox_busy = False  # the reader is inside a frame from the inbox
+        self._reading = True
         # Outgoing frames, for the one writer task. A Mailbox, not an anyio
         # memory stream: a send or receive with room (or an item) costs no
         # event loop turn, and a step passes three frames through here.
-        self._out: Mailbox[tuple[Message, int] | _Close] = Mailbox(sockets.max_queue)
+        self._out: Mailbox[tuple[bytes | str, int] | _Close] = Mailbox(sockets.max_queue)
         # The bytes of the encoded frames queued or waiting for room (`_push`).
         self._out_bytes = 0
         self._max_out_bytes = sockets.max_queue_bytes
@@ -318,7 +300,10 @@ class WorkerConnection:
             async with anyio.create_task_group() as handlers:
                 self._handlers = handlers
                 with self._read_scope:
-                    await self._read_loop()
+                    if self._wire is not None:
+                        await self._wire_loop(self._wire)
+                    else:
+                        await self._read_loop()
                 if self._peer_gone:
                     handlers.cancel_scope.cancel()
                 else:
@@ -349,6 +334,7 @@ class WorkerConnection:
     # -- reading ----------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """Frames through the ASGI ``receive`` (a server other than `stepd serve`)."""
         while True:
             message = await self._receive()
             kind = message["type"]
@@ -358,56 +344,150 @@ class WorkerConnection:
             if kind != "websocket.receive":
                 continue
             data = message.get("bytes")
-            text = message.get("text")
-            size = len(data) if data is not None else len(text.encode()) if text else 0
-            if size > self._max_bytes:
-                self._close = _Close(CLOSE_TOO_BIG, "message too big")
+            if not await self._on_message(data if data is not None else message.get("text") or ""):
                 return
-            await self._on_message(data, text)
 
-    def _decode(self, data: bytes | None, text: str | None) -> Any:
+    # The frames of one read arrive in one call of the protocol's callback
+    # (`frames_received`) and are applied there: decoded, checked, and handed
+    # to the handler pool, so the frames that arrive together reach the daemon
+    # in the same loop iteration (their writes join one commit, their answers
+    # one socket write). Only what must wait goes through the inbox to the
+    # reader task (`_wire_loop`): a register (the frames behind it wait for it),
+    # a frame with no free in-flight slot or no room for its answer, an
+    # oversized one. While the inbox holds anything, reading is paused.
+
+    async def _wire_loop(self, wire: WebSocketProtocol) -> None:
+        """The reader under `stepd serve`: the frames that had to wait, in arrival order."""
+        inbox = self._inbox
+        wire.attach(self)
+        try:
+            while True:
+                while inbox:
+                    self._inbox_busy = True
+                    try:
+                        if not await self._on_message(inbox.popleft()):
+                            return
+                    finally:
+                        self._inbox_busy = False
+                if self._peer_gone:
+                    return
+                wire.resume_reading()  # nothing waits: the peer may send more
+                self._inbox_wake = waiter = Waiter()
+                await waiter.wait()
+        finally:
+            self._reading = False  # later frames are dropped, unread (TCP pushes back)
+            inbox.clear()
+            self._inbox_wake = None
+            if not self._peer_gone:
+                wire.pause_reading()
+
+    def frames_received(self, frames: list[bytes | str]) -> None:
+        """The protocol's callback (`FrameSink`): the whole messages of one read, in order."""
+        if not self._reading:
+            return
+        inbox = self._inbox
+        if not inbox and not self._inbox_busy:
+            for i, item in enumerate(frames):
+                if not self._apply_now(item):
+                    inbox.extend(frames[i:] if i else frames)
+                    break
+            else:
+                return
+        else:
+            inbox.extend(frames)
+        assert self._wire is not None
+        self._wire.pause_reading()
+        waiter = self._inbox_wake
+        if waiter is not None:
+            waiter.set()
+
+    def peer_closed(self) -> None:
+        """The protocol's callback (`FrameSink`): the connection is over."""
+        self._peer_gone = True
+        waiter = self._inbox_wake
+        if waiter is not None:
+            waiter.set()
+
+    def _apply_now(self, item: bytes | str) -> bool:
+        """Apply a frame without waiting; False (nothing done) when it must wait in the inbox."""
+        if _size(item) > self._max_bytes:
+            return False
+        kind, frame_id, value = self._parse(item)
+        if kind == "call":
+            if not self._limit.try_acquire():
+                return False
+            self._start_call(frame_id, value)
+            return True
+        if kind == "register" or not self._has_room():
+            return False
+        if kind == "credit":
+            answer = self._credit_answer(value)
+            if answer is not None:
+                self._push_now(answer)
+        else:
+            self._push_now(value)
+        return True
+
+    def _parse(self, item: bytes | str) -> tuple[str, Any, Any]:
+        """What a frame asks: ``("call" | "register", id, frame)``, ``("credit", None,
+        frame)`` or ``("answer", None, error frame)``."""
+        try:
+            frame = self._decode(item)
+            if not isinstance(frame, dict):
+                raise Invalid("a frame must be a map with an 'op'")
+        except Invalid as exc:
+            return "answer", None, error_frame(None, exc)
+        op = frame.get("op")
+        frame_id = frame.get("id")
+        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
+            return "credit", None, frame
+        if op not in _LEASE_OPS and op not in ("register", "credit"):
+            return "answer", None, error_frame(frame_id, Invalid(
+                "must be register, credit, a lease call or a session call", field="op"))
+        if not is_frame_id(frame_id):
+            return "answer", None, error_frame(None, Invalid("a request needs an integer id",
+                                                              field="id"))
+        return ("register" if op == "register" else "call"), frame_id, frame
+
+    def _decode(self, item: bytes | str) -> Any:
         if self._binary:
-            if data is None:
+            if type(item) is not bytes:
                 raise Invalid(f"this connection speaks {MSGPACK_SUBPROTOCOL}: send binary frames")
             try:
-                frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+                frame = msgpack.unpackb(item, raw=False, strict_map_key=True)
             except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
                 raise Invalid("the frame is not valid msgpack: "
-                              f"{msgpack_problem(data, exc)}") from None
+                              f"{msgpack_problem(item, exc)}") from None
             try:
                 JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
                 raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
             return frame
-        if text is None:
+        if type(item) is not str:
             raise Invalid(f"this connection speaks {JSON_SUBPROTOCOL}: send text frames")
-        return decode_json(text)
+        return decode_json(item)
 
-    async def _on_message(self, data: bytes | None, text: str | None) -> None:
-        try:
-            frame = self._decode(data, text)
-            if not isinstance(frame, dict):
-                raise Invalid("a frame must be a map with an 'op'")
-        except Invalid as exc:
-            await self._push(error_frame(None, exc))
-            return
-        op = frame.get("op")
-        frame_id = frame.get("id")
-        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
-            await self._credit(frame)
-            return
-        if op not in _LEASE_OPS and op not in ("register", "credit"):
-            await self._push(error_frame(frame_id, Invalid(
-                "must be register, credit, a lease call or a session call", field="op")))
-            return
-        if not is_frame_id(frame_id):
-            await self._push(error_frame(None, Invalid("a request needs an integer id",
-                                                        field="id")))
-            return
-        if op == "register":
-            await self._register(frame_id, frame)
-            return
-        await self._limit.acquire()
+    async def _on_message(self, item: bytes | str) -> bool:
+        """Apply a frame, waiting for what it needs; False: reading ends (it is too big)."""
+        if _size(item) > self._max_bytes:
+            self._close = _Close(CLOSE_TOO_BIG, "message too big")
+            return False
+        kind, frame_id, value = self._parse(item)
+        if kind == "answer":
+            await self._push(value)
+        elif kind == "credit":
+            answer = self._credit_answer(value)
+            if answer is not None:
+                await self._push(answer)
+        elif kind == "register":
+            await self._register(frame_id, value)
+        else:
+            await self._limit.acquire()
+            self._start_call(frame_id, value)
+        return True
+
+    def _start_call(self, frame_id: int, frame: dict[str, Any]) -> None:
+        """Hand a lease frame (its in-flight slot taken) to the handler pool."""
         assert self._handlers is not None
         # Frames of one lease are applied in the order they arrived, so a worker
         # may send `complete` right behind `started` without waiting for its answer.
@@ -418,7 +498,7 @@ class WorkerConnection:
         ticket, after = self._order.arrive(key)
         before = self._in_flight.get(after) if after is not None else None
         done = self._in_flight[ticket] = Waiter()
-        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done, key, ticket))
+        self._calls.append((frame_id, _LEASE_OPS[frame["op"]], frame, before, done, key, ticket))
         if self._parked:
             self._parked.pop().set()
         else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
@@ -469,7 +549,8 @@ class WorkerConnection:
         else:
             await self._push(answer_frame(frame_id, reply))
 
-    async def _credit(self, frame: dict[str, Any]) -> None:
+    def _credit_answer(self, frame: dict[str, Any]) -> dict[str, Any] | None:
+        """Grant a credit frame's slots; its answer (None for a credit without an id)."""
         frame_id = frame.get("id")
         try:
             for key in frame:
@@ -480,10 +561,8 @@ class WorkerConnection:
                 raise Invalid("send register before credit")
             self._attached.grant(n)
         except Invalid as exc:
-            await self._push(error_frame(frame_id, exc))
-            return
-        if is_frame_id(frame_id):
-            await self._push({"op": "ok", "id": frame_id})
+            return error_frame(frame_id, exc)
+        return {"op": "ok", "id": frame_id} if is_frame_id(frame_id) else None
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
                           before: Waiter | None, done: Waiter, key: str | None,
@@ -573,7 +652,7 @@ class WorkerConnection:
         nothing else waits.
         """
         size = 0
-        item: tuple[Message, int] | _Close
+        item: tuple[bytes | str, int] | _Close
         if isinstance(frame, _Close):
             item = frame
         else:
@@ -592,6 +671,23 @@ class WorkerConnection:
         except BaseException:
             self._out_bytes -= size  # cancelled while waiting for room
             raise
+
+    def _has_room(self) -> bool:
+        """The writer's queue takes a frame now (`_push_now` will not be refused for room)."""
+        out = self._out
+        return out.depth() < out.size
+
+    def _push_now(self, frame: dict[str, Any]) -> None:
+        """`_push` when there is room (`_has_room`), from the protocol's callback."""
+        message, size = self._encode(frame)
+        if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
+            self._overflow()
+            return
+        try:
+            self._out.send_nowait((message, size))
+        except (anyio.WouldBlock, anyio.ClosedResourceError):
+            return
+        self._out_bytes += size
 
     def push_nowait(self, frame: dict[str, Any]) -> None:
         """Queue a frame without waiting; dropped (and logged) when the queue is full."""
@@ -626,24 +722,30 @@ class WorkerConnection:
             self._handlers.cancel_scope.cancel()
         self._write_scope.cancel()
 
-    def _encode(self, frame: dict[str, Any]) -> tuple[Message, int]:
+    def _encode(self, frame: dict[str, Any]) -> tuple[bytes | str, int]:
         if self._binary:
-            data = msgpack.packb(frame, use_bin_type=True)
-            return {"type": "websocket.send", "bytes": data}, len(data)
+            data: bytes = msgpack.packb(frame, use_bin_type=True)
+            return data, len(data)
         text = encode_json(frame)
-        return {"type": "websocket.send", "text": text.decode("utf-8")}, len(text)
+        return text.decode("utf-8"), len(text)
 
     async def _write_loop(self) -> None:
         out = self._out
         try:
             with self._write_scope:  # cancelled by `_overflow`
+                if self._wire is not None:
+                    await self._write_wire(self._wire)
+                    return
                 while True:
                     item = await out.receive()  # no loop turn when a frame is there
                     if isinstance(item, _Close):
                         await self._send({"type": "websocket.close", "code": item.code,
                                           "reason": item.reason})
                         return
-                    await self._send(item[0])
+                    data = item[0]
+                    await self._send({"type": "websocket.send", "bytes": data}
+                                     if type(data) is bytes else
+                                     {"type": "websocket.send", "text": data})
                     self._out_bytes -= item[1]
             if self._overflowed:
                 await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER,
@@ -661,3 +763,35 @@ class WorkerConnection:
                     break
             self._out_bytes = 0
 
+    async def _write_wire(self, wire: WebSocketProtocol) -> None:
+        """The writer under `stepd serve`: every frame queued when it runs, in one socket write.
+
+        The answers of the frames that arrived together are queued in the same
+        loop iteration (their commit resolves them at once), so they leave together.
+        """
+        out = self._out
+        writable = wire.writable
+        while True:
+            item = await out.receive()
+            close = item if isinstance(item, _Close) else None
+            batch: list[bytes | str] = []
+            size = 0
+            while close is None:
+                assert not isinstance(item, _Close)
+                batch.append(item[0])
+                size += item[1]
+                try:
+                    item = out.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                if isinstance(item, _Close):
+                    close = item
+            if batch:
+                if not writable.is_set():
+                    await writable.wait()  # the transport's buffer is full: the peer reads slowly
+                wire.send_frames(batch)
+                self._out_bytes -= size
+            if close is not None:
+                await self._send({"type": "websocket.close", "code": close.code,
+                                  "reason": close.reason})
+                return
