@@ -73,7 +73,7 @@ from typing import Any, Final
 import anyio
 import msgpack  # type: ignore[import-untyped]
 
-from stepd.actors import Mailbox, Waiter
+from stepd.actors import Waiter
 from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
@@ -83,6 +83,7 @@ from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
 from ._ws_slots import Slots as _Slots
+from ._ws_writer import Close, FrameWriter
 from .auth import Forbidden, Principal, Unauthorized
 from .protocol import (
     CrossSite,
@@ -123,20 +124,9 @@ _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_SERVICE_RESTART: Final = 1012
 CLOSE_TOO_BIG: Final = 1009
-CLOSE_TRY_AGAIN_LATER: Final = 1013
 
 DEFAULT_MAX_QUEUE_BYTES: Final = 16 << 20
 """The bytes of encoded frames waiting to be sent on one connection before it is closed (1013)."""
-
-
-class _Close:
-    """The writer's last item: send a close frame and stop."""
-
-    __slots__ = ("code", "reason")
-
-    def __init__(self, code: int, reason: str) -> None:
-        self.code = code
-        self.reason = reason
 
 
 class WorkerSockets:
@@ -219,7 +209,7 @@ def _size(item: bytes | str) -> int:
     return len(item) if isinstance(item, bytes) else len(item.encode())
 
 
-class WorkerConnection:
+class WorkerConnection(FrameWriter):
     """One worker WebSocket, from accept to close.
 
     Attributes:
@@ -235,26 +225,16 @@ class WorkerConnection:
         self.principal = principal
         self.subprotocol = subprotocol
         self.worker_id: str | None = None
-        self._binary = subprotocol == MSGPACK_SUBPROTOCOL
+        super().__init__(binary=subprotocol == MSGPACK_SUBPROTOCOL, send=send, wire=wire,
+                         max_queue=sockets.max_queue, max_queue_bytes=sockets.max_queue_bytes)
         self._receive = receive
-        self._send = send
-        # stepd's own uvicorn protocol (`stepd serve`): frames come from its
-        # callback (`frames_received`) and leave through `send_frames`. None
-        # under another ASGI server: the ASGI receive and send then.
-        self._wire = wire
+        # `self._wire`: stepd's own uvicorn protocol (`stepd serve`): frames come
+        # from its callback (`frames_received`) and leave through `send_frames`.
+        # None under another ASGI server: the ASGI receive and send then.
         self._inbox: collections.deque[bytes | str] = collections.deque()
         self._inbox_wake: Waiter | None = None
         self._inbox_busy = False  # the reader is inside a frame from the inbox
         self._reading = True
-        # Outgoing frames, for the one writer task. A Mailbox, not an anyio
-        # memory stream: a send or receive with room (or an item) costs no
-        # event loop turn, and a step passes three frames through here.
-        self._out: Mailbox[tuple[bytes | str, int] | _Close] = Mailbox(sockets.max_queue)
-        # The bytes of the encoded frames queued or waiting for room (`_push`).
-        self._out_bytes = 0
-        self._max_out_bytes = sockets.max_queue_bytes
-        self._overflowed = False
-        self._write_scope = anyio.CancelScope()
         self._limit = _Slots(sockets.max_in_flight)
         # Frames of one lease are applied in arrival order (the session machine's
         # FrameOrder numbers them); the waits are here: a Waiter per frame in flight.
@@ -276,7 +256,7 @@ class WorkerConnection:
         self._pool_size = 0
         self._pool_closing = False
         self._peer_gone = False
-        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._close = Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._max_bytes = self.protocol.max_body_bytes + 4096  # the frame's envelope
 
     # -- lifecycle ------------------------------------------------------------------
@@ -316,13 +296,18 @@ class WorkerConnection:
 
     def close_for_shutdown(self) -> None:
         """Stop reading and pushing; close with 1001 once the frames in flight are answered."""
-        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._close = Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._read_scope.cancel()
         self._end_session()
 
     def abort(self) -> None:
         """The shutdown's grace period is over: stop now (uvicorn closes the socket)."""
         self._scope.cancel()
+
+    def _stop_reading(self) -> None:
+        self._read_scope.cancel()
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
 
     def _gone(self) -> None:
         """The peer is gone: nothing more can be sent; stop everything."""
@@ -470,7 +455,7 @@ class WorkerConnection:
     async def _on_message(self, item: bytes | str) -> bool:
         """Apply a frame, waiting for what it needs; False: reading ends (it is too big)."""
         if _size(item) > self._max_bytes:
-            self._close = _Close(CLOSE_TOO_BIG, "message too big")
+            self._close = Close(CLOSE_TOO_BIG, "message too big")
             return False
         kind, frame_id, value = self._parse(item)
         if kind == "answer":
@@ -636,162 +621,7 @@ class WorkerConnection:
 
     def close(self, reason: str) -> None:
         """The session gave this connection up (it restarted): close it; the worker reconnects."""
-        self._close = _Close(CLOSE_SERVICE_RESTART, reason[:100])
+        self._close = Close(CLOSE_SERVICE_RESTART, reason[:100])
         self._attached = None
         self._read_scope.cancel()
 
-    # -- writing --------------------------------------------------------------------------
-
-    async def _push(self, frame: dict[str, Any] | _Close) -> bool:
-        """Encode a frame and queue it for the writer (waits for room in the bounded queue).
-
-        Returns False when the frame was not queued: the connection is ending,
-        or the frame would take the bytes waiting to be sent past
-        ``max_queue_bytes`` (the connection is then closed with 1013,
-        `_overflow`). A frame larger than the bound on its own is sent when
-        nothing else waits.
-        """
-        size = 0
-        item: tuple[bytes | str, int] | _Close
-        if isinstance(frame, _Close):
-            item = frame
-        else:
-            message, size = self._encode(frame)
-            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-                self._overflow()
-                return False
-            item = (message, size)
-            self._out_bytes += size  # counted while it waits for room, too
-        try:
-            await self._out.put(item)
-            return True
-        except anyio.ClosedResourceError:
-            self._out_bytes -= size
-            return False  # the connection is ending: nobody is listening
-        except BaseException:
-            self._out_bytes -= size  # cancelled while waiting for room
-            raise
-
-    def _has_room(self) -> bool:
-        """The writer's queue takes a frame now (`_push_now` will not be refused for room)."""
-        out = self._out
-        return out.depth() < out.size
-
-    def _push_now(self, frame: dict[str, Any]) -> None:
-        """`_push` when there is room (`_has_room`), from the protocol's callback."""
-        message, size = self._encode(frame)
-        if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-            self._overflow()
-            return
-        try:
-            self._out.send_nowait((message, size))
-        except (anyio.WouldBlock, anyio.ClosedResourceError):
-            return
-        self._out_bytes += size
-
-    def push_nowait(self, frame: dict[str, Any]) -> None:
-        """Queue a frame without waiting; dropped (and logged) when the queue is full."""
-        message, size = self._encode(frame)
-        try:
-            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-                raise anyio.WouldBlock
-            self._out.send_nowait((message, size))
-            self._out_bytes += size
-        except anyio.WouldBlock:
-            log.warning("worker %s is not reading its WebSocket: dropped %s", self.worker_id,
-                        frame.get("op"))
-        except anyio.ClosedResourceError:
-            pass
-
-    def _overflow(self) -> None:
-        """The peer does not read what it asked for: drop what waits, close with 1013.
-
-        Everything stops at once (reading, the handlers, the pusher); the
-        writer drops the frames queued and sends the close frame. Leases that
-        were queued and never sent expire after their TTL and are recovered,
-        as for any connection that dies (PROTOCOL.md "Expiry and recovery").
-        """
-        if self._overflowed:
-            return
-        self._overflowed = True
-        log.warning("worker %s does not read its WebSocket (over %d bytes waiting to be sent): "
-                    "closed with %d", self.worker_id, self._max_out_bytes, CLOSE_TRY_AGAIN_LATER)
-        self._out.close()  # later pushes are refused
-        self._read_scope.cancel()
-        if self._handlers is not None:
-            self._handlers.cancel_scope.cancel()
-        self._write_scope.cancel()
-
-    def _encode(self, frame: dict[str, Any]) -> tuple[bytes | str, int]:
-        if self._binary:
-            data: bytes = msgpack.packb(frame, use_bin_type=True)
-            return data, len(data)
-        text = encode_json(frame)
-        return text.decode("utf-8"), len(text)
-
-    async def _write_loop(self) -> None:
-        out = self._out
-        try:
-            with self._write_scope:  # cancelled by `_overflow`
-                if self._wire is not None:
-                    await self._write_wire(self._wire)
-                    return
-                while True:
-                    item = await out.receive()  # no loop turn when a frame is there
-                    if isinstance(item, _Close):
-                        await self._send({"type": "websocket.close", "code": item.code,
-                                          "reason": item.reason})
-                        return
-                    data = item[0]
-                    await self._send({"type": "websocket.send", "bytes": data}
-                                     if type(data) is bytes else
-                                     {"type": "websocket.send", "text": data})
-                    self._out_bytes -= item[1]
-            if self._overflowed:
-                await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER,
-                                  "reason": "too many frames not read"})
-        except OSError:  # uvicorn's ClientDisconnected: the peer is gone
-            self._gone()
-        except anyio.EndOfStream:
-            pass
-        finally:
-            out.close()  # nobody writes any more: later pushes are refused, not lost unseen
-            while True:  # what is left is dropped now, not when the connection is freed
-                try:
-                    out.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-            self._out_bytes = 0
-
-    async def _write_wire(self, wire: WebSocketProtocol) -> None:
-        """The writer under `stepd serve`: every frame queued when it runs, in one socket write.
-
-        The answers of the frames that arrived together are queued in the same
-        loop iteration (their commit resolves them at once), so they leave together.
-        """
-        out = self._out
-        writable = wire.writable
-        while True:
-            item = await out.receive()
-            close = item if isinstance(item, _Close) else None
-            batch: list[bytes | str] = []
-            size = 0
-            while close is None:
-                assert not isinstance(item, _Close)
-                batch.append(item[0])
-                size += item[1]
-                try:
-                    item = out.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-                if isinstance(item, _Close):
-                    close = item
-            if batch:
-                if not writable.is_set():
-                    await writable.wait()  # the transport's buffer is full: the peer reads slowly
-                wire.send_frames(batch)
-                self._out_bytes -= size
-            if close is not None:
-                await self._send({"type": "websocket.close", "code": close.code,
-                                  "reason": close.reason})
-                return
