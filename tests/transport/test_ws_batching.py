@@ -10,13 +10,16 @@ with real uvicorn on 127.0.0.1 and a raw socket client.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import anyio.from_thread
 import httpx
 import msgpack
 import pytest
 
 from stepd.actors import _ref as actors_ref
+from stepd.channels._wsproto import open_socket
 from stepd.transport._uvicorn import WebSocketProtocol
 from stepd.transport.websocket import WorkerConnection
 
@@ -150,3 +153,38 @@ def test_a_register_holds_back_the_frames_behind_it(inproc: InProcDaemon) -> Non
     assert [a["op"] for a in answers] == ["registered", "ok", "error"], answers
     assert [a["id"] for a in answers] == [1, 2, 3]
     assert answers[2]["status"] == 404
+
+
+def test_the_worker_sends_the_frames_of_one_turn_in_one_write(inproc: InProcDaemon) -> None:
+    """The worker's lean socket: N frames sent in one loop iteration (bodies that finished
+    in the same turn) leave in ONE socket write, and the N answers, which the daemon
+    sends in one write, are all handled in one ``data_received``."""
+
+    async def go() -> tuple[int, int, list[dict[str, Any]]]:
+        sock = await open_socket(inproc.url, None, subprotocol="stepd.v1.msgpack",
+                                 max_size=1 << 20, path="/v1/api/workers/connect")
+        answers: list[dict[str, Any]] = []
+        all_in = asyncio.get_running_loop().create_future()
+
+        def on_message(payload: bytes, binary: bool) -> None:
+            answers.append(msgpack.unpackb(payload))
+            if len(answers) == N and not all_in.done():
+                all_in.set_result(None)
+
+        sock.on_message = on_message
+        try:
+            writes, received = sock.writes, sock.received
+            for i in range(N):
+                sock.send(msgpack.packb({"op": "heartbeat", "id": i, "lease_id": f"l_{i}"}))
+            await asyncio.wait_for(all_in, 10)
+            return sock.writes - writes, sock.received - received, answers
+        finally:
+            sock.close(1000, "")
+            sock.abort()
+
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        writes, reads, answers = portal.call(go)
+    assert sorted(a["id"] for a in answers) == list(range(N))
+    assert all(a["op"] == "error" and a["status"] == 404 for a in answers), answers
+    assert writes == 1, "the frames of one turn leave in one socket write"
+    assert reads == 1, "the daemon's answers to one batch arrive (and are handled) together"
