@@ -11,6 +11,8 @@ with real uvicorn on 127.0.0.1 and a raw socket client.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
@@ -23,7 +25,7 @@ from stepd.channels._wsproto import open_socket
 from stepd.transport._uvicorn import WebSocketProtocol
 from stepd.transport.websocket import WorkerConnection
 
-from .conftest import InProcDaemon, task_def, unique
+from .conftest import STOP_TIMEOUT_S, InProcDaemon, task_def, unique
 from .test_ws_backpressure import RawWs
 
 N = 16
@@ -188,3 +190,56 @@ def test_the_worker_sends_the_frames_of_one_turn_in_one_write(inproc: InProcDaem
     assert all(a["op"] == "error" and a["status"] == 404 for a in answers), answers
     assert writes == 1, "the frames of one turn leave in one socket write"
     assert reads == 1, "the daemon's answers to one batch arrive (and are handled) together"
+
+
+@pytest.fixture(scope="module")
+def stock_uvicorn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDaemon]:
+    """The daemon's app under uvicorn's own sans-I/O WebSocket protocol (as under any
+    ASGI server): no `stepd.wire` extension, so frames come through ASGI ``receive``."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    import stepd.daemon
+    from stepd.daemon import ServeConfig, Server
+
+    data = Path(tmp_path_factory.mktemp("stock")) / "data"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stepd.daemon, "WebSocketProtocol", WebSocketsSansIOProtocol)
+        daemon = Server(ServeConfig(data=str(data), port=0), announce=lambda line: None)
+        with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+            future, _ = portal.start_task(daemon.run)
+            try:
+                assert daemon.url is not None
+                yield InProcDaemon(daemon.url, daemon, portal)
+            finally:
+                portal.call(daemon.request_stop)
+                assert future.result(timeout=STOP_TIMEOUT_S) == 0
+
+
+def test_under_another_asgi_server_frames_come_through_receive(stock_uvicorn: InProcDaemon,
+                                                              ) -> None:
+    """The same frames and answers when the app reads through ASGI ``receive``."""
+    test_a_register_holds_back_the_frames_behind_it(stock_uvicorn)
+    name = unique()
+    ws = RawWs(stock_uvicorn.url)
+    try:
+        answer = ws.request({"op": "register", "id": 1, "definitions": [task_def(name, "a")]})
+        worker_id = answer["worker_id"]
+
+        def wire() -> object:
+            conns = [c for c in stock_uvicorn.daemon.protocol._connections
+                     if isinstance(c, WorkerConnection) and c.worker_id == worker_id]
+            return conns[0]._wire
+
+        assert stock_uvicorn.run(wire) is None
+        ws.send({"op": "credit", "n": 4})
+        with stock_uvicorn.client() as http:
+            leases = _leases(ws, http, name, 4)
+        ws.sock.sendall(b"".join(
+            RawWs.frame(msgpack.packb({"op": "complete", "id": 10 + i,
+                                       "lease_id": lease["lease_id"], "output": i}))
+            for i, lease in enumerate(leases)))
+        answers = [ws.recv() for _ in range(4)]
+    finally:
+        ws.close()
+    assert sorted(a["id"] for a in answers) == [10, 11, 12, 13]
+    assert all(a["op"] == "ok" for a in answers), answers
