@@ -10,6 +10,7 @@ read can still be closed.
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any, Protocol, cast
 
 import httptools
@@ -21,6 +22,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import ClientDisconnected
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
+from websockets.protocol import State
 
 from ._json import encode_json
 
@@ -258,6 +260,11 @@ def http_protocol(*, max_request_ms: int, max_header_bytes: int,
     })
 
 
+# The heads of unmasked final frames under 126 bytes: [text (0x81), binary (0x82)][length].
+_SMALL_HEADS: tuple[list[bytes], list[bytes]] = (
+    [bytes((0x82, n)) for n in range(126)], [bytes((0x81, n)) for n in range(126)])
+
+
 class FrameSink(Protocol):
     """Where a `WebSocketProtocol` hands the messages it parses once attached."""
 
@@ -414,15 +421,24 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         if self.disconnected or self.close_sent:
             raise ClientDisconnected()
         conn = self.conn
-        try:
-            for frame in frames:
-                if type(frame) is bytes:
-                    conn.send_binary(frame)
-                else:
-                    conn.send_text(cast(str, frame).encode())
-        except InvalidState:
-            raise ClientDisconnected() from None
-        self.transport.write(b"".join(conn.data_to_send()))
+        if conn.state is not State.OPEN or conn.expect_continuation_frame or conn.extensions:
+            raise ClientDisconnected()  # closing (no extension is ever negotiated here)
+        # Server frames are not masked: a head and the payload. Written here rather
+        # than by websockets' `send_binary` (a Frame, its checks and serialisation:
+        # ~10 calls a frame); its state above is what would refuse one.
+        parts: list[bytes] = []
+        for frame in frames:
+            data = frame if type(frame) is bytes else cast(str, frame).encode()
+            n = len(data)
+            opcode = 0x82 if type(frame) is bytes else 0x81
+            if n < 126:
+                parts.append(_SMALL_HEADS[opcode & 1][n])
+            elif n < 65536:
+                parts.append(struct.pack("!BBH", opcode, 126, n))
+            else:
+                parts.append(struct.pack("!BBQ", opcode, 127, n))
+            parts.append(data)
+        self.transport.write(b"".join(parts))
         self.data_writes += 1
         self.frames_sent += len(frames)
 
