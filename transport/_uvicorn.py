@@ -546,16 +546,15 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         # ~10 calls a frame); its state above is what would refuse one.
         parts: list[bytes] = []
         for frame in frames:
-            data = frame if type(frame) is bytes else cast(str, frame).encode()
+            binary = type(frame) is bytes
+            data = cast(bytes, frame) if binary else cast(str, frame).encode()
             n = len(data)
-            opcode = 0x82 if type(frame) is bytes else 0x81
             if n < 126:
-                parts.append(_SMALL_HEADS[opcode & 1][n])
-            elif n < 65536:
-                parts.append(struct.pack("!BBH", opcode, 126, n))
+                parts += (_SMALL_HEADS[not binary][n], data)
             else:
-                parts.append(struct.pack("!BBQ", opcode, 127, n))
-            parts.append(data)
+                opcode = 0x82 if binary else 0x81
+                parts += (struct.pack("!BBH", opcode, 126, n) if n < 65536 else
+                          struct.pack("!BBQ", opcode, 127, n), data)
         self.transport.write(b"".join(parts))
         self.data_writes += 1
         self.frames_sent += len(frames)

@@ -203,7 +203,7 @@ class FrameWriter(abc.ABC):
         writable = wire.writable
         while True:
             item = await out.receive()
-            close = item if isinstance(item, Close) else None
+            close = item if type(item) is Close else None
             batch: list[bytes | str] = []
             size = 0
             while close is None:
@@ -214,7 +214,7 @@ class FrameWriter(abc.ABC):
                     item = out.receive_nowait()
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
-                if isinstance(item, Close):
+                if type(item) is Close:
                     close = item
             if batch:
                 if not writable.is_set():

@@ -89,7 +89,6 @@ from .protocol import (
     CrossSite,
     Operation,
     Protocol,
-    Reply,
     decode_json,
     encode_json,
     error_reply,
@@ -202,11 +201,6 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.http.response.body", "body": data})
     else:  # the server cannot answer with a body: a bare refusal (403)
         await send({"type": "websocket.close", "code": 1008})
-
-
-def _size(item: bytes | str) -> int:
-    """A message's size in bytes (a text message's in UTF-8)."""
-    return len(item) if isinstance(item, bytes) else len(item.encode())
 
 
 class WorkerConnection(FrameWriter):
@@ -395,7 +389,7 @@ class WorkerConnection(FrameWriter):
 
     def _apply_now(self, item: bytes | str) -> bool:
         """Apply a frame without waiting; False (nothing done) when it must wait in the inbox."""
-        if _size(item) > self._max_bytes:
+        if len(item if type(item) is bytes else item.encode()) > self._max_bytes:  # type: ignore[union-attr]
             return False
         kind, frame_id, value = self._parse(item)
         if kind == "call":
@@ -454,7 +448,7 @@ class WorkerConnection(FrameWriter):
 
     async def _on_message(self, item: bytes | str) -> bool:
         """Apply a frame, waiting for what it needs; False: reading ends (it is too big)."""
-        if _size(item) > self._max_bytes:
+        if len(item if type(item) is bytes else item.encode()) > self._max_bytes:  # type: ignore[union-attr]
             self._close = Close(CLOSE_TOO_BIG, "message too big")
             return False
         kind, frame_id, value = self._parse(item)
@@ -553,28 +547,35 @@ class WorkerConnection(FrameWriter):
                           before: Waiter | None, done: Waiter, key: str | None,
                           ticket: int) -> None:
         assert frame is not None
+        protocol = self.protocol
         try:
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
-            with self.protocol.counting():  # abort() cancels the whole connection
-                reply = await self._lease_reply(op, frame)
-                frame = None  # not kept while the answer waits for room in the queue
+            protocol.call_begins()  # counted for the drain; abort() cancels the whole connection
+            try:
+                # docs/affinity.md: session calls name their session, lease calls their lease.
+                name = "session_id" if op.text.startswith("session_") else "lease_id"
+                target = frame.get(name)
+                if type(target) is str:
+                    body: dict[str, Any] | None = {
+                        k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    frame = None  # not kept while the answer waits for room in the queue
+                    # The connection's worker: another worker's lease is unknown here.
+                    reply = await protocol.handle(op, self.principal, target=target, body=body,
+                                                  worker_id=self.worker_id or "")
+                    body = None
+                else:
+                    frame = None
+                    reply = error_reply(Invalid(f"must be the {name[:-3]} id (a string)",
+                                                field=name))
                 await self._push(answer_frame(frame_id, reply))
+            finally:
+                protocol.call_ends()
         finally:
             done.set()
             del self._in_flight[ticket]
             self._order.done(key, ticket)
             self._limit.release()
-
-    async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
-        key = "session_id" if op.text.startswith("session_") else "lease_id"  # docs/affinity.md
-        target = frame.get(key)
-        if not isinstance(target, str):
-            return error_reply(Invalid(f"must be the {key[:-3]} id (a string)", field=key))
-        body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
-        # The connection's worker: another worker's lease is unknown here.
-        return await self.protocol.handle(op, self.principal, target=target, body=body,
-                                          worker_id=self.worker_id or "")
 
     # -- the push session ---------------------------------------------------------------
 
