@@ -26,20 +26,28 @@ rejection on either transport. Answers are sent only once what they acknowledge 
 
 Per connection (all its tasks in one task group, STYLE.md rule 7):
 
-* a reader: ``register`` and ``credit`` are handled in order, inline (a
-  ``register`` attaches the connection to its worker's session actor, so a
-  credit that follows always finds it); worker calls on leases run
-  concurrently, at most ``max_in_flight`` at once (a slow ``complete`` does not
-  hold up the heartbeats of other leases; past the limit the reader stops
-  reading, and TCP pushes back on the worker), answered by a pool of handler
-  tasks that park when idle (started as load needs them, never more than
-  ``max_in_flight``), in arrival order per lease (`FrameOrder`);
+* reading: under `stepd serve` the frames of one read of the socket arrive in
+  one call of its protocol's callback (`frames_received`, from
+  `transport._uvicorn.WebSocketProtocol`, no receive queue) and are applied
+  there, so frames that arrive together are applied in one loop iteration
+  (their writes join one commit, their answers one socket write). Worker
+  calls on leases run concurrently, at most ``max_in_flight`` at once (a slow
+  ``complete`` does not hold up the heartbeats of other leases), answered by
+  a pool of handler tasks that park when idle (started as load needs them,
+  never more than ``max_in_flight``), in arrival order per lease
+  (`FrameOrder`). A frame that must wait (a ``register``, which attaches the
+  connection to its worker's session actor, so the frames behind it wait for
+  it; a call past ``max_in_flight``; an answer with no room) goes to the
+  reader task instead, in order, and reading pauses until it is through (TCP
+  pushes back on the worker). Under another ASGI server the reader task
+  takes every frame from ASGI ``receive``, the same way;
 * no pusher: the worker's session actor (`stepd.actors.daemon.session`) turns
   each credit into a lease the moment work appears and queues it here (this
   connection is its `Outbox`); leases pass the frame bound, their credit
   bounds them;
-* a writer: the one task that sends, fed by a bounded queue of encoded frames
-  (``max_queue`` frames). Answers wait for room; a ``cancel`` push
+* a writer (`transport._ws_writer`): the one task that sends, fed by a bounded
+  queue of encoded frames (``max_queue`` frames); every frame queued when it
+  runs leaves in one socket write. Answers wait for room; a ``cancel`` push
   that finds the queue full is dropped (the heartbeat's 409 delivers it
   anyway, STYLE.md rule 21). The bytes waiting to be sent (queued, or waiting
   for room) are bounded too (``max_queue_bytes``): a frame that would take
@@ -367,6 +375,8 @@ class WorkerConnection(FrameWriter):
         inbox = self._inbox
         if not inbox and not self._inbox_busy:
             for i, item in enumerate(frames):
+                if self._overflowed:
+                    return  # closing with 1013: what follows is not read
                 if not self._apply_now(item):
                     inbox.extend(frames[i:] if i else frames)
                     break
