@@ -274,8 +274,8 @@ class Protocol:
             if status != 503:
                 await self._audit(op, principal, audit_target, status, reason_of(exc))
             raise
-        if entry is not None:
-            return reply  # its audit entry committed with the change
+        if entry is not None or spec.audit is None:
+            return reply  # its audit entry committed with the change, or none is kept
         await self._audit(op, principal, audit_target, reply.status, None)
         return reply
 
@@ -357,14 +357,20 @@ class Protocol:
         """
         return _Tracking(self)
 
-    def counting(self) -> _Counting:
-        """`tracking` without a cancel scope of its own: counted, not cancelled by `abort`.
+    def call_begins(self) -> None:
+        """`tracking` without a cancel scope or a context manager: counted, not cancelled
+        by `abort`; pair it with `call_ends` in a ``finally``.
 
         For calls that `abort` reaches another way: a WebSocket frame's call
         runs in its connection's task group, which `abort` cancels as a whole
-        (`WorkerConnection.abort`). That spares two cancel scopes per step.
+        (`WorkerConnection.abort`). That spares two cancel scopes per step, and
+        three calls against a context manager.
         """
-        return _Counting(self)
+        self._inflight += 1
+
+    def call_ends(self) -> None:
+        """The call `call_begins` counted is over."""
+        self._call_done()
 
     def _call_done(self) -> None:
         self._inflight -= 1
@@ -534,20 +540,4 @@ class _Tracking:
 
     def _done(self) -> None:
         self.protocol._calls.discard(self.scope)
-        self.protocol._call_done()
-
-
-class _Counting:
-    """`Protocol.counting`'s context manager: a class, like `_Tracking` (two frames per step)."""
-
-    __slots__ = ("protocol",)
-
-    def __init__(self, protocol: Protocol) -> None:
-        self.protocol = protocol
-
-    def __enter__(self) -> None:
-        self.protocol._inflight += 1
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
         self.protocol._call_done()

@@ -26,20 +26,28 @@ rejection on either transport. Answers are sent only once what they acknowledge 
 
 Per connection (all its tasks in one task group, STYLE.md rule 7):
 
-* a reader: ``register`` and ``credit`` are handled in order, inline (a
-  ``register`` attaches the connection to its worker's session actor, so a
-  credit that follows always finds it); worker calls on leases run
-  concurrently, at most ``max_in_flight`` at once (a slow ``complete`` does not
-  hold up the heartbeats of other leases; past the limit the reader stops
-  reading, and TCP pushes back on the worker), answered by a pool of handler
-  tasks that park when idle (started as load needs them, never more than
-  ``max_in_flight``), in arrival order per lease (`FrameOrder`);
+* reading: under `stepd serve` the frames of one read of the socket arrive in
+  one call of its protocol's callback (`frames_received`, from
+  `transport._uvicorn.WebSocketProtocol`, no receive queue) and are applied
+  there, so frames that arrive together are applied in one loop iteration
+  (their writes join one commit, their answers one socket write). Worker
+  calls on leases run concurrently, at most ``max_in_flight`` at once (a slow
+  ``complete`` does not hold up the heartbeats of other leases), answered by
+  a pool of handler tasks that park when idle (started as load needs them,
+  never more than ``max_in_flight``), in arrival order per lease
+  (`FrameOrder`). A frame that must wait (a ``register``, which attaches the
+  connection to its worker's session actor, so the frames behind it wait for
+  it; a call past ``max_in_flight``; an answer with no room) goes to the
+  reader task instead, in order, and reading pauses until it is through (TCP
+  pushes back on the worker). Under another ASGI server the reader task
+  takes every frame from ASGI ``receive``, the same way;
 * no pusher: the worker's session actor (`stepd.actors.daemon.session`) turns
   each credit into a lease the moment work appears and queues it here (this
   connection is its `Outbox`); leases pass the frame bound, their credit
   bounds them;
-* a writer: the one task that sends, fed by a bounded queue of encoded frames
-  (``max_queue`` frames). Answers wait for room; a ``cancel`` push
+* a writer (`transport._ws_writer`): the one task that sends, fed by a bounded
+  queue of encoded frames (``max_queue`` frames); every frame queued when it
+  runs leaves in one socket write. Answers wait for room; a ``cancel`` push
   that finds the queue full is dropped (the heartbeat's 409 delivers it
   anyway, STYLE.md rule 21). The bytes waiting to be sent (queued, or waiting
   for room) are bounded too (``max_queue_bytes``): a frame that would take
@@ -73,20 +81,22 @@ from typing import Any, Final
 import anyio
 import msgpack  # type: ignore[import-untyped]
 
-from stepd.actors import Mailbox, Waiter
+from stepd.actors import Waiter
 from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
 
 from ._json import JSON_ENCODER
+from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
+from ._ws_slots import Slots as _Slots
+from ._ws_writer import Close, FrameWriter
 from .auth import Forbidden, Principal, Unauthorized
 from .protocol import (
     CrossSite,
     Operation,
     Protocol,
-    Reply,
     decode_json,
     encode_json,
     error_reply,
@@ -121,20 +131,9 @@ _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_SERVICE_RESTART: Final = 1012
 CLOSE_TOO_BIG: Final = 1009
-CLOSE_TRY_AGAIN_LATER: Final = 1013
 
 DEFAULT_MAX_QUEUE_BYTES: Final = 16 << 20
 """The bytes of encoded frames waiting to be sent on one connection before it is closed (1013)."""
-
-
-class _Close:
-    """The writer's last item: send a close frame and stop."""
-
-    __slots__ = ("code", "reason")
-
-    def __init__(self, code: int, reason: str) -> None:
-        self.code = code
-        self.reason = reason
 
 
 class WorkerSockets:
@@ -190,7 +189,9 @@ class WorkerSockets:
             await _reject(scope, send, reply.status, reply.body)
             return
         await send({"type": "websocket.accept", "subprotocol": chosen})
-        conn = WorkerConnection(self, principal, chosen, receive, send)
+        wire = scope.get("extensions", {}).get(WIRE_EXTENSION, {}).get("protocol")
+        conn = WorkerConnection(self, principal, chosen, receive, send,
+                                wire if isinstance(wire, WebSocketProtocol) else None)
         await conn.run()
 
 
@@ -210,42 +211,7 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.close", "code": 1008})
 
 
-class _Slots:
-    """A counting semaphore that takes a free slot without an event loop turn.
-
-    anyio's `Semaphore.acquire` checkpoints even when a slot is free; this one
-    waits (on a `Waiter`, in FIFO order) only when none is. Event loop thread only.
-    """
-
-    __slots__ = ("_free", "_waiting")
-
-    def __init__(self, n: int) -> None:
-        self._free = n
-        self._waiting: collections.deque[Waiter] = collections.deque()
-
-    async def acquire(self) -> None:
-        if self._free > 0 and not self._waiting:
-            self._free -= 1
-            return
-        waiter = Waiter()
-        self._waiting.append(waiter)
-        try:
-            await waiter.wait()
-        except BaseException:
-            if waiter.is_set():
-                self.release()  # handed a slot this caller will not use
-            else:
-                self._waiting.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        if self._waiting:
-            self._waiting.popleft().set()  # the slot passes straight to the next in line
-        else:
-            self._free += 1
-
-
-class WorkerConnection:
+class WorkerConnection(FrameWriter):
     """One worker WebSocket, from accept to close.
 
     Attributes:
@@ -255,24 +221,22 @@ class WorkerConnection:
     """
 
     def __init__(self, sockets: WorkerSockets, principal: Principal, subprotocol: str,
-                 receive: Receive, send: Send) -> None:
+                 receive: Receive, send: Send, wire: WebSocketProtocol | None = None) -> None:
         self.sockets = sockets
         self.protocol = sockets.protocol
         self.principal = principal
         self.subprotocol = subprotocol
         self.worker_id: str | None = None
-        self._binary = subprotocol == MSGPACK_SUBPROTOCOL
+        super().__init__(binary=subprotocol == MSGPACK_SUBPROTOCOL, send=send, wire=wire,
+                         max_queue=sockets.max_queue, max_queue_bytes=sockets.max_queue_bytes)
         self._receive = receive
-        self._send = send
-        # Outgoing frames, for the one writer task. A Mailbox, not an anyio
-        # memory stream: a send or receive with room (or an item) costs no
-        # event loop turn, and a step passes three frames through here.
-        self._out: Mailbox[tuple[Message, int] | _Close] = Mailbox(sockets.max_queue)
-        # The bytes of the encoded frames queued or waiting for room (`_push`).
-        self._out_bytes = 0
-        self._max_out_bytes = sockets.max_queue_bytes
-        self._overflowed = False
-        self._write_scope = anyio.CancelScope()
+        # `self._wire`: stepd's own uvicorn protocol (`stepd serve`): frames come
+        # from its callback (`frames_received`) and leave through `send_frames`.
+        # None under another ASGI server: the ASGI receive and send then.
+        self._inbox: collections.deque[bytes | str] = collections.deque()
+        self._inbox_wake: Waiter | None = None
+        self._inbox_busy = False  # the reader is inside a frame from the inbox
+        self._reading = True
         self._limit = _Slots(sockets.max_in_flight)
         # Frames of one lease are applied in arrival order (the session machine's
         # FrameOrder numbers them); the waits are here: a Waiter per frame in flight.
@@ -294,7 +258,7 @@ class WorkerConnection:
         self._pool_size = 0
         self._pool_closing = False
         self._peer_gone = False
-        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._close = Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._max_bytes = self.protocol.max_body_bytes + 4096  # the frame's envelope
 
     # -- lifecycle ------------------------------------------------------------------
@@ -318,7 +282,10 @@ class WorkerConnection:
             async with anyio.create_task_group() as handlers:
                 self._handlers = handlers
                 with self._read_scope:
-                    await self._read_loop()
+                    if self._wire is not None:
+                        await self._wire_loop(self._wire)
+                    else:
+                        await self._read_loop()
                 if self._peer_gone:
                     handlers.cancel_scope.cancel()
                 else:
@@ -331,13 +298,18 @@ class WorkerConnection:
 
     def close_for_shutdown(self) -> None:
         """Stop reading and pushing; close with 1001 once the frames in flight are answered."""
-        self._close = _Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
+        self._close = Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._read_scope.cancel()
         self._end_session()
 
     def abort(self) -> None:
         """The shutdown's grace period is over: stop now (uvicorn closes the socket)."""
         self._scope.cancel()
+
+    def _stop_reading(self) -> None:
+        self._read_scope.cancel()
+        if self._handlers is not None:
+            self._handlers.cancel_scope.cancel()
 
     def _gone(self) -> None:
         """The peer is gone: nothing more can be sent; stop everything."""
@@ -349,6 +321,7 @@ class WorkerConnection:
     # -- reading ----------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """Frames through the ASGI ``receive`` (a server other than `stepd serve`)."""
         while True:
             message = await self._receive()
             kind = message["type"]
@@ -358,56 +331,152 @@ class WorkerConnection:
             if kind != "websocket.receive":
                 continue
             data = message.get("bytes")
-            text = message.get("text")
-            size = len(data) if data is not None else len(text.encode()) if text else 0
-            if size > self._max_bytes:
-                self._close = _Close(CLOSE_TOO_BIG, "message too big")
+            if not await self._on_message(data if data is not None else message.get("text") or ""):
                 return
-            await self._on_message(data, text)
 
-    def _decode(self, data: bytes | None, text: str | None) -> Any:
+    # The frames of one read arrive in one call of the protocol's callback
+    # (`frames_received`) and are applied there: decoded, checked, and handed
+    # to the handler pool, so the frames that arrive together reach the daemon
+    # in the same loop iteration (their writes join one commit, their answers
+    # one socket write). Only what must wait goes through the inbox to the
+    # reader task (`_wire_loop`): a register (the frames behind it wait for it),
+    # a frame with no free in-flight slot or no room for its answer, an
+    # oversized one. While the inbox holds anything, reading is paused.
+
+    async def _wire_loop(self, wire: WebSocketProtocol) -> None:
+        """The reader under `stepd serve`: the frames that had to wait, in arrival order."""
+        inbox = self._inbox
+        wire.attach(self)
+        try:
+            while True:
+                while inbox:
+                    self._inbox_busy = True
+                    try:
+                        if not await self._on_message(inbox.popleft()):
+                            return
+                    finally:
+                        self._inbox_busy = False
+                if self._peer_gone:
+                    return
+                wire.resume_reading()  # nothing waits: the peer may send more
+                self._inbox_wake = waiter = Waiter()
+                await waiter.wait()
+        finally:
+            self._reading = False  # later frames are dropped, unread (TCP pushes back)
+            inbox.clear()
+            self._inbox_wake = None
+            if not self._peer_gone:
+                wire.pause_reading()
+
+    def frames_received(self, frames: list[bytes | str]) -> None:
+        """The protocol's callback (`FrameSink`): the whole messages of one read, in order."""
+        if not self._reading:
+            return
+        inbox = self._inbox
+        if not inbox and not self._inbox_busy:
+            for i, item in enumerate(frames):
+                if self._overflowed:
+                    return  # closing with 1013: what follows is not read
+                if not self._apply_now(item):
+                    inbox.extend(frames[i:] if i else frames)
+                    break
+            else:
+                return
+        else:
+            inbox.extend(frames)
+        assert self._wire is not None
+        self._wire.pause_reading()
+        waiter = self._inbox_wake
+        if waiter is not None:
+            waiter.set()
+
+    def peer_closed(self) -> None:
+        """The protocol's callback (`FrameSink`): the connection is over."""
+        self._peer_gone = True
+        waiter = self._inbox_wake
+        if waiter is not None:
+            waiter.set()
+
+    def _apply_now(self, item: bytes | str) -> bool:
+        """Apply a frame without waiting; False (nothing done) when it must wait in the inbox."""
+        if len(item if type(item) is bytes else item.encode()) > self._max_bytes:  # type: ignore[union-attr]
+            return False
+        kind, frame_id, value = self._parse(item)
+        if kind == "call":
+            if not self._limit.try_acquire():
+                return False
+            self._start_call(frame_id, value)
+            return True
+        if kind == "register" or not self._has_room():
+            return False
+        if kind == "credit":
+            answer = self._credit_answer(value)
+            if answer is not None:
+                self._push_now(answer)
+        else:
+            self._push_now(value)
+        return True
+
+    def _parse(self, item: bytes | str) -> tuple[str, Any, Any]:
+        """What a frame asks: ``("call" | "register", id, frame)``, ``("credit", None,
+        frame)`` or ``("answer", None, error frame)``."""
+        try:
+            frame = self._decode(item)
+            if not isinstance(frame, dict):
+                raise Invalid("a frame must be a map with an 'op'")
+        except Invalid as exc:
+            return "answer", None, error_frame(None, exc)
+        op = frame.get("op")
+        frame_id = frame.get("id")
+        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
+            return "credit", None, frame
+        if op not in _LEASE_OPS and op not in ("register", "credit"):
+            return "answer", None, error_frame(frame_id, Invalid(
+                "must be register, credit, a lease call or a session call", field="op"))
+        if not is_frame_id(frame_id):
+            return "answer", None, error_frame(None, Invalid("a request needs an integer id",
+                                                              field="id"))
+        return ("register" if op == "register" else "call"), frame_id, frame
+
+    def _decode(self, item: bytes | str) -> Any:
         if self._binary:
-            if data is None:
+            if type(item) is not bytes:
                 raise Invalid(f"this connection speaks {MSGPACK_SUBPROTOCOL}: send binary frames")
             try:
-                frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+                frame = msgpack.unpackb(item, raw=False, strict_map_key=True)
             except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
                 raise Invalid("the frame is not valid msgpack: "
-                              f"{msgpack_problem(data, exc)}") from None
+                              f"{msgpack_problem(item, exc)}") from None
             try:
                 JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
                 raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
             return frame
-        if text is None:
+        if type(item) is not str:
             raise Invalid(f"this connection speaks {JSON_SUBPROTOCOL}: send text frames")
-        return decode_json(text)
+        return decode_json(item)
 
-    async def _on_message(self, data: bytes | None, text: str | None) -> None:
-        try:
-            frame = self._decode(data, text)
-            if not isinstance(frame, dict):
-                raise Invalid("a frame must be a map with an 'op'")
-        except Invalid as exc:
-            await self._push(error_frame(None, exc))
-            return
-        op = frame.get("op")
-        frame_id = frame.get("id")
-        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
-            await self._credit(frame)
-            return
-        if op not in _LEASE_OPS and op not in ("register", "credit"):
-            await self._push(error_frame(frame_id, Invalid(
-                "must be register, credit, a lease call or a session call", field="op")))
-            return
-        if not is_frame_id(frame_id):
-            await self._push(error_frame(None, Invalid("a request needs an integer id",
-                                                        field="id")))
-            return
-        if op == "register":
-            await self._register(frame_id, frame)
-            return
-        await self._limit.acquire()
+    async def _on_message(self, item: bytes | str) -> bool:
+        """Apply a frame, waiting for what it needs; False: reading ends (it is too big)."""
+        if len(item if type(item) is bytes else item.encode()) > self._max_bytes:  # type: ignore[union-attr]
+            self._close = Close(CLOSE_TOO_BIG, "message too big")
+            return False
+        kind, frame_id, value = self._parse(item)
+        if kind == "answer":
+            await self._push(value)
+        elif kind == "credit":
+            answer = self._credit_answer(value)
+            if answer is not None:
+                await self._push(answer)
+        elif kind == "register":
+            await self._register(frame_id, value)
+        else:
+            await self._limit.acquire()
+            self._start_call(frame_id, value)
+        return True
+
+    def _start_call(self, frame_id: int, frame: dict[str, Any]) -> None:
+        """Hand a lease frame (its in-flight slot taken) to the handler pool."""
         assert self._handlers is not None
         # Frames of one lease are applied in the order they arrived, so a worker
         # may send `complete` right behind `started` without waiting for its answer.
@@ -418,7 +487,7 @@ class WorkerConnection:
         ticket, after = self._order.arrive(key)
         before = self._in_flight.get(after) if after is not None else None
         done = self._in_flight[ticket] = Waiter()
-        self._calls.append((frame_id, _LEASE_OPS[op], frame, before, done, key, ticket))
+        self._calls.append((frame_id, _LEASE_OPS[frame["op"]], frame, before, done, key, ticket))
         if self._parked:
             self._parked.pop().set()
         else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
@@ -469,7 +538,8 @@ class WorkerConnection:
         else:
             await self._push(answer_frame(frame_id, reply))
 
-    async def _credit(self, frame: dict[str, Any]) -> None:
+    def _credit_answer(self, frame: dict[str, Any]) -> dict[str, Any] | None:
+        """Grant a credit frame's slots; its answer (None for a credit without an id)."""
         frame_id = frame.get("id")
         try:
             for key in frame:
@@ -480,37 +550,42 @@ class WorkerConnection:
                 raise Invalid("send register before credit")
             self._attached.grant(n)
         except Invalid as exc:
-            await self._push(error_frame(frame_id, exc))
-            return
-        if is_frame_id(frame_id):
-            await self._push({"op": "ok", "id": frame_id})
+            return error_frame(frame_id, exc)
+        return {"op": "ok", "id": frame_id} if is_frame_id(frame_id) else None
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
                           before: Waiter | None, done: Waiter, key: str | None,
                           ticket: int) -> None:
         assert frame is not None
+        protocol = self.protocol
         try:
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
-            with self.protocol.counting():  # abort() cancels the whole connection
-                reply = await self._lease_reply(op, frame)
-                frame = None  # not kept while the answer waits for room in the queue
+            protocol.call_begins()  # counted for the drain; abort() cancels the whole connection
+            try:
+                # docs/affinity.md: session calls name their session, lease calls their lease.
+                name = "session_id" if op.text.startswith("session_") else "lease_id"
+                target = frame.get(name)
+                if type(target) is str:
+                    body: dict[str, Any] | None = {
+                        k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    frame = None  # not kept while the answer waits for room in the queue
+                    # The connection's worker: another worker's lease is unknown here.
+                    reply = await protocol.handle(op, self.principal, target=target, body=body,
+                                                  worker_id=self.worker_id or "")
+                    body = None
+                else:
+                    frame = None
+                    reply = error_reply(Invalid(f"must be the {name[:-3]} id (a string)",
+                                                field=name))
                 await self._push(answer_frame(frame_id, reply))
+            finally:
+                protocol.call_ends()
         finally:
             done.set()
             del self._in_flight[ticket]
             self._order.done(key, ticket)
             self._limit.release()
-
-    async def _lease_reply(self, op: Operation, frame: dict[str, Any]) -> Reply:
-        key = "session_id" if op.text.startswith("session_") else "lease_id"  # docs/affinity.md
-        target = frame.get(key)
-        if not isinstance(target, str):
-            return error_reply(Invalid(f"must be the {key[:-3]} id (a string)", field=key))
-        body = {k: v for k, v in frame.items() if k not in _ENVELOPE}
-        # The connection's worker: another worker's lease is unknown here.
-        return await self.protocol.handle(op, self.principal, target=target, body=body,
-                                          worker_id=self.worker_id or "")
 
     # -- the push session ---------------------------------------------------------------
 
@@ -557,107 +632,7 @@ class WorkerConnection:
 
     def close(self, reason: str) -> None:
         """The session gave this connection up (it restarted): close it; the worker reconnects."""
-        self._close = _Close(CLOSE_SERVICE_RESTART, reason[:100])
+        self._close = Close(CLOSE_SERVICE_RESTART, reason[:100])
         self._attached = None
         self._read_scope.cancel()
-
-    # -- writing --------------------------------------------------------------------------
-
-    async def _push(self, frame: dict[str, Any] | _Close) -> bool:
-        """Encode a frame and queue it for the writer (waits for room in the bounded queue).
-
-        Returns False when the frame was not queued: the connection is ending,
-        or the frame would take the bytes waiting to be sent past
-        ``max_queue_bytes`` (the connection is then closed with 1013,
-        `_overflow`). A frame larger than the bound on its own is sent when
-        nothing else waits.
-        """
-        size = 0
-        item: tuple[Message, int] | _Close
-        if isinstance(frame, _Close):
-            item = frame
-        else:
-            message, size = self._encode(frame)
-            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-                self._overflow()
-                return False
-            item = (message, size)
-            self._out_bytes += size  # counted while it waits for room, too
-        try:
-            await self._out.put(item)
-            return True
-        except anyio.ClosedResourceError:
-            self._out_bytes -= size
-            return False  # the connection is ending: nobody is listening
-        except BaseException:
-            self._out_bytes -= size  # cancelled while waiting for room
-            raise
-
-    def push_nowait(self, frame: dict[str, Any]) -> None:
-        """Queue a frame without waiting; dropped (and logged) when the queue is full."""
-        message, size = self._encode(frame)
-        try:
-            if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-                raise anyio.WouldBlock
-            self._out.send_nowait((message, size))
-            self._out_bytes += size
-        except anyio.WouldBlock:
-            log.warning("worker %s is not reading its WebSocket: dropped %s", self.worker_id,
-                        frame.get("op"))
-        except anyio.ClosedResourceError:
-            pass
-
-    def _overflow(self) -> None:
-        """The peer does not read what it asked for: drop what waits, close with 1013.
-
-        Everything stops at once (reading, the handlers, the pusher); the
-        writer drops the frames queued and sends the close frame. Leases that
-        were queued and never sent expire after their TTL and are recovered,
-        as for any connection that dies (PROTOCOL.md "Expiry and recovery").
-        """
-        if self._overflowed:
-            return
-        self._overflowed = True
-        log.warning("worker %s does not read its WebSocket (over %d bytes waiting to be sent): "
-                    "closed with %d", self.worker_id, self._max_out_bytes, CLOSE_TRY_AGAIN_LATER)
-        self._out.close()  # later pushes are refused
-        self._read_scope.cancel()
-        if self._handlers is not None:
-            self._handlers.cancel_scope.cancel()
-        self._write_scope.cancel()
-
-    def _encode(self, frame: dict[str, Any]) -> tuple[Message, int]:
-        if self._binary:
-            data = msgpack.packb(frame, use_bin_type=True)
-            return {"type": "websocket.send", "bytes": data}, len(data)
-        text = encode_json(frame)
-        return {"type": "websocket.send", "text": text.decode("utf-8")}, len(text)
-
-    async def _write_loop(self) -> None:
-        out = self._out
-        try:
-            with self._write_scope:  # cancelled by `_overflow`
-                while True:
-                    item = await out.receive()  # no loop turn when a frame is there
-                    if isinstance(item, _Close):
-                        await self._send({"type": "websocket.close", "code": item.code,
-                                          "reason": item.reason})
-                        return
-                    await self._send(item[0])
-                    self._out_bytes -= item[1]
-            if self._overflowed:
-                await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER,
-                                  "reason": "too many frames not read"})
-        except OSError:  # uvicorn's ClientDisconnected: the peer is gone
-            self._gone()
-        except anyio.EndOfStream:
-            pass
-        finally:
-            out.close()  # nobody writes any more: later pushes are refused, not lost unseen
-            while True:  # what is left is dropped now, not when the connection is freed
-                try:
-                    out.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-            self._out_bytes = 0
 

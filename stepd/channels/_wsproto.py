@@ -124,6 +124,11 @@ class LeanSocket(asyncio.Protocol):
         self.paused = False
         self._drain: asyncio.Future[None] | None = None
         self.received = 0  # chunks received: the keepalive's sign of life
+        # Frames sent in this loop iteration, written together by `_flush`
+        # (scheduled by the first): the `complete`s of bodies that finish in
+        # the same turn, and the credit they free, leave in one socket write.
+        self._out: list[bytes] | None = None
+        self.writes = 0  # socket writes that carried data frames
         self.on_message: Callable[[bytes, bool], None] = lambda payload, binary: None
         self.on_close: Callable[[], None] = lambda: None
         self.close_code: int | None = None
@@ -217,7 +222,8 @@ class LeanSocket(asyncio.Protocol):
     # -- sending -------------------------------------------------------------------------
 
     def send(self, payload: bytes) -> bool:
-        """Write one binary message; False when the connection is closing or gone."""
+        """Send one binary message (written with the others of this loop iteration);
+        False when the connection is closing or gone."""
         transport = self._transport
         if transport is None or self._closing:
             return False
@@ -232,8 +238,22 @@ class LeanSocket(asyncio.Protocol):
             head = struct.pack("!BBH", 0x82, 0xFE, n)
         else:
             head = struct.pack("!BBQ", 0x82, 0xFF, n)
-        transport.write(head + mask + apply_mask(payload, mask))
+        frame = head + mask + apply_mask(payload, mask)
+        out = self._out
+        if out is None:
+            self._out = [frame]
+            self._loop.call_soon(self._flush)
+        else:
+            out.append(frame)
         return True
+
+    def _flush(self) -> None:
+        """Write the frames sent since the last flush, in one socket write."""
+        out, self._out = self._out, None
+        transport = self._transport
+        if out and transport is not None:
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+            self.writes += 1
 
     async def drain(self) -> None:
         """Wait until the transport takes more (after ``paused``), or the connection ends."""
@@ -247,6 +267,8 @@ class LeanSocket(asyncio.Protocol):
         transport = self._transport
         if transport is None:
             return
+        if self._out is not None:
+            self._flush()  # a close goes after the frames sent before it
         mask = os.urandom(4)
         transport.write(bytes((0x80 | opcode, 0x80 | len(payload))) + mask
                         + apply_mask(payload, mask))
