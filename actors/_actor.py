@@ -118,6 +118,14 @@ class Actor:
     #: of its own, set for supervisors.
     _actor_scoped: ClassVar[bool] = False
     _actor_is_supervisor: ClassVar[bool] = False
+    #: True: every wait of this class's handlers (its `on_start` and messages;
+    #: not `on_stop`) ends by itself (a storage commit, another actor's answer,
+    #: a bounded retry), so a kill may wait for the wait in hand to end and is
+    #: delivered at the handler's next resumption (`Killed` thrown in), the way
+    #: `_drive.py` step 3 does: no cancel scope at all, never learned scoped.
+    #: A class whose handler may wait for something that never comes (an event
+    #: another actor may never set) must leave it False: a kill must interrupt it.
+    deferred_kill: ClassVar[bool] = False
 
     #: Why the incarnation before this one ended, when this one is a restart
     #: of the same child: the crash exception, `ActorKilled` for a kill, or

@@ -98,8 +98,9 @@ class Runtime:
     # live in an instance dict (created on the first write) with class-level
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
-        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "done", "inline",
-        "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook", "started", "state",
+        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "deferred", "done",
+        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook",
+        "started", "state",
         "stop_hook", "sup", "sysq", "system", "timers",
     )  # fmt: skip
 
@@ -152,6 +153,7 @@ class Runtime:
         self.start_hook = cls._actor_start_hook
         self.stop_hook = cls._actor_stop_hook
         self.scoped = cls._actor_scoped
+        self.deferred = cls.deferred_kill
         self.busy = False  # someone runs a handler (or the start or stop) now
         self.scheduled = False  # on the ready queue
         self.inline = False  # running, accepting, no stop requested: asks may run inline

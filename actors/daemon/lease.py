@@ -40,7 +40,6 @@ from stepd.sansio.events import (
     AttemptRevived,
     AttemptStarted,
 )
-from stepd.sansio.local_steps import parse_records
 from stepd.sansio.lease import (
     LeaseMachine,
     LeaseRecord,
@@ -51,6 +50,7 @@ from stepd.sansio.lease import (
     Revived,
     reject_reason,
 )
+from stepd.sansio.local_steps import parse_records
 
 from . import peers, store
 from .messages import (
@@ -92,6 +92,9 @@ class LeaseMemo:
 class LeaseActor(Actor):
     kind = "lease"
     reply_errors = (Conflict, Invalid, NotFound)
+    #: Its handlers wait only for its run (an answer, an activation): a kill lands
+    #: when that ends, and no cancel scope is paid on each attempt (docs/actors.md).
+    deferred_kill = True
 
     def __init__(self, services: Services, record: LeaseRecord, memo: LeaseMemo, *,
                  fresh: bool = True) -> None:

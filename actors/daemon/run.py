@@ -49,16 +49,16 @@ from .messages import (
     ApplyAttempt,
     AttemptNote,
     CancelRun,
+    CloseSession,
     Due,
+    EnsureHolder,
     History,
     IdleCheck,
     InboxChanged,
-    CloseSession,
-    EnsureHolder,
     Offer,
     Resync,
-    SessionNote,
     RetryRun,
+    SessionNote,
     Signal,
 )
 from .services import Services
@@ -135,6 +135,10 @@ class StaleState(RuntimeError):
 class RunActor(Actor):
     kind = "run"
     reply_errors = (Conflict, Invalid)
+    #: Its handlers wait only for storage commits and for actors it starts or tells
+    #: (never asks): a kill lands when the wait in hand ends, the commit it waited
+    #: for on record, and no cancel scope is paid around each commit (docs/actors.md).
+    deferred_kill = True
 
     def __init__(
         self,
