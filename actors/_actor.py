@@ -126,6 +126,19 @@ class Actor:
     #: A class whose handler may wait for something that never comes (an event
     #: another actor may never set) must leave it False: a kill must interrupt it.
     deferred_kill: ClassVar[bool] = False
+    #: True: `receive` never waits (it only reads and changes this actor's own
+    #: state and sends without waiting). A tell to it while it is idle (running,
+    #: nothing queued, no handler in flight) is then handled right in the
+    #: teller's `tell`/`tell_nowait` call: no ready queue, no dispatcher turn,
+    #: the same one-handler-at-a-time and per-sender order. A handler that
+    #: waits anyway is a crash. The daemon's registry is one.
+    sync_handlers: ClassVar[bool] = False
+    #: True: `on_start` never waits (the actor is handed its state, or reads it
+    #: without waiting). `start_child_nowait` then runs it on the spot, in the
+    #: caller's call, instead of leaving it to a dispatcher; a failure is still
+    #: the child's crash (`StartFailed`), never the caller's. One that waits
+    #: anyway is a crash. The daemon's lease actor is one (one start per step).
+    sync_start: ClassVar[bool] = False
 
     #: Why the incarnation before this one ended, when this one is a restart
     #: of the same child: the crash exception, `ActorKilled` for a kill, or

@@ -90,8 +90,11 @@ class Incarnation(Protocol):
     def timers(self) -> Sized: ...
     @property
     def started_at(self) -> int | None: ...
+    @property
+    def sync(self) -> bool: ...
 
     async def put(self, item: object) -> None: ...
+    def tell_inline(self, message: object) -> None: ...
     async def ask_inline(self, message: object) -> Any: ...
     def cancel(self, reason: BaseException | None) -> None: ...
     async def wait_done(self) -> None: ...
@@ -226,6 +229,9 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         queue = rt.queue
+        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
+            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+            return
         if len(queue) < rt.size:
             queue.append(message)
             if not rt.busy and not rt.scheduled:
@@ -245,6 +251,9 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         queue = rt.queue
+        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
+            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+            return
         if len(queue) >= rt.size:
             raise anyio.WouldBlock
         queue.append(message)

@@ -209,10 +209,12 @@ class Supervisor(Actor):
         runtime = self._incarnate(child)
         self._children[spec.id] = child
         cell.register()
-        if runtime.start_hook:
-            runtime.start_soon()
-        else:
+        if not runtime.start_hook:
             runtime.mark_started()
+        elif runtime.actor.sync_start:
+            runtime.start_now()
+        else:
+            runtime.start_soon()
         return cell.ref()
 
     async def stop_child(self, child_id: str) -> None:

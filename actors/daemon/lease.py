@@ -95,6 +95,9 @@ class LeaseActor(Actor):
     #: Its handlers wait only for its run (an answer, an activation): a kill lands
     #: when that ends, and no cancel scope is paid on each attempt (docs/actors.md).
     deferred_kill = True
+    #: `on_start` reads its record without waiting: a new lease's actor is
+    #: running when the run's offer returns, with no dispatcher turn.
+    sync_start = True
 
     def __init__(self, services: Services, record: LeaseRecord, memo: LeaseMemo, *,
                  fresh: bool = True) -> None:

@@ -81,6 +81,9 @@ class _Sub:
 class RegistryActor(Actor):
     kind = "registry"
     mailbox_size = 1 << 16
+    #: Every handler is synchronous (module docstring): a tell finding it idle is
+    #: routed in the teller's call (a run's announce, in the run's own turn).
+    sync_handlers = True
 
     def __init__(self, services: Services, load_workers: Callable[[], list[WorkerInfo]]) -> None:
         self.s = services
