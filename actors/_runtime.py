@@ -387,6 +387,35 @@ class Runtime:
         self._crash_later(RuntimeError(
             f"{self.cell.path}: a handler of a sync_handlers actor waited"))
 
+    def handle_now(self, message: object) -> Any:
+        """`ActorRef.ask_now`: the handler run to its end in the caller's call (the actor is idle).
+
+        Raises:
+            ActorDead: the handler crashed, or waited (a crash too).
+            Exception: the handler's exception if listed in `reply_errors`.
+        """
+        self.busy = True
+        coro = self.actor.receive(message)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            self._release_owner()
+            return stop.value
+        except Exception as exc:
+            errors = self.actor.reply_errors
+            if errors and isinstance(exc, errors):
+                self._release_owner()
+                raise
+            self._crash_later(exc)
+            raise _dead(self.cell.path, exc) from None  # ActorDead sets its own cause
+        except BaseException:
+            self._release_owner()
+            raise
+        coro.close()
+        waited = RuntimeError(f"{self.cell.path}: a handler asked with ask_now waited")
+        self._crash_later(waited)
+        raise _dead(self.cell.path, waited)
+
     def _inline_error(self, exc: BaseException) -> BaseException:
         path = self.cell.path
         if self.cancelled:

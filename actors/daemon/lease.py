@@ -142,7 +142,9 @@ class LeaseActor(Actor):
         """The lease is over: its session hears it (a cancel if `reason`), then stop."""
         rec = self.machine.record
         self.s.lease_memos.pop(rec.lease_id, None)
-        peers.tell(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
+        # Handled right here when the session is idle (its handler never waits):
+        # a lease ends on every step, and a dispatcher turn for this cost more.
+        peers.tell_now(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
         self.stop()
 
     async def receive(self, message: Any) -> Any:

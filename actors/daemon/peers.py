@@ -4,7 +4,8 @@ Every function takes the `Services` the caller stands on. Nothing here holds
 state or calls up into the API: a run tells the registry its runnable slots,
 a lease asks its run to apply a call, a session asks a run for an offer.
 Asks only go run-ward (leases, sessions, recovery and the API ask runs; runs
-ask nobody), so no cycle of asks can deadlock.
+wait on nobody: their `ask_now` of the registry and of a session never
+waits), so no cycle of asks can deadlock.
 
 The run and lease actors' child specs come from `Services.run_spec` and
 `Services.lease_spec`, set where the tree is built (`tree`), so this module
@@ -29,7 +30,15 @@ from stepd.actors import (
 )
 from stepd.sansio.errors import Fenced, NotFound, Unavailable
 
-from .messages import Announce, Due, EndLease, ReturnSpecs, TimerIndexChanged, WithdrawSlots
+from .messages import (
+    Announce,
+    Due,
+    EndLease,
+    ReturnSpecs,
+    Route,
+    TimerIndexChanged,
+    WithdrawSlots,
+)
 from .services import Services
 
 __all__ = [
@@ -44,9 +53,11 @@ __all__ = [
     "ensure_work_session",
     "lease_alive",
     "registry",
+    "route_now",
     "start_lease",
     "supervisors_alive",
     "tell",
+    "tell_now",
     "tell_ref",
     "timers_changed",
     "wake_run",
@@ -71,6 +82,30 @@ def tell(s: Services, path: str, message: Any) -> bool:
         return True
     except _GONE:
         return False
+
+
+def tell_now(s: Services, path: str, message: Any) -> bool:
+    """`tell`, handled right here when the actor is idle (`ask_now`; its handler for
+    `message` must not wait), else queued; False when it is not there or full."""
+    try:
+        ref = s.system.resolve(path)
+        try:
+            ref.ask_now(message)
+        except anyio.WouldBlock:
+            ref.tell_nowait(message)
+        return True
+    except _GONE:
+        return False
+
+
+def route_now(s: Services, spec: Any) -> tuple[str, int | None] | None:
+    """Which session takes `spec` now, counted as handed to it by the registry
+    (`Route`, in the caller's turn); None: nobody now, or the registry is busy."""
+    try:
+        routed: tuple[str, int | None] | None = s.system.resolve("/registry").ask_now(Route(spec))
+        return routed
+    except _GONE:
+        return None
 
 
 def tell_ref(ref: ActorRef, message: Any) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 import anyio
 
-from stepd.actors import Actor, ActorSystem, ChildSpec, ManualClock, Restart
+from stepd.actors import Actor, ActorDead, ActorSystem, ChildSpec, ManualClock, Restart
 
 from ._helpers import Boom, settle
 
@@ -116,3 +116,76 @@ async def test_a_sync_start_that_fails_or_waits_is_a_crash_of_the_child() -> Non
             await settle()
             assert log == ["started"]  # the restart, from a fresh instance
             assert ref.statistics().restarts == 1 and len(instances) == 2
+
+
+class Answers(Actor):
+    """A plain actor (no class-wide promise); some of its handlers never wait."""
+
+    reply_errors = (KeyError,)
+
+    def __init__(self, log: list[Any], gate: anyio.Event) -> None:
+        self.log = log
+        self.gate = gate
+
+    async def receive(self, message: Any) -> Any:
+        if message == "block":
+            await self.gate.wait()
+        elif message == "wait":
+            await anyio.lowlevel.checkpoint()
+        elif message == "reject":
+            raise KeyError(message)
+        self.log.append(message)
+        return len(self.log)
+
+
+async def test_ask_now_answers_from_an_idle_actor_in_the_callers_call() -> None:
+    log: list[Any] = []
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("a", lambda: Answers(log, anyio.Event())))
+        assert ref.ask_now("x") == 1
+        assert ref.ask_now("y") == 2
+        try:
+            ref.ask_now("reject")
+        except KeyError:
+            pass
+        else:
+            raise AssertionError("a reply error reaches the caller")
+        assert ref.alive and ref.statistics().restarts == 0
+
+
+async def test_ask_now_sends_nothing_to_a_busy_actor() -> None:
+    log: list[Any] = []
+    gate = anyio.Event()
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("a", lambda: Answers(log, gate)))
+        await ref.tell("block")
+        await settle()
+        try:
+            ref.ask_now("x")
+        except anyio.WouldBlock:
+            pass
+        else:
+            raise AssertionError("a busy actor is not asked now")
+        ref.tell_nowait("queued")
+        gate.set()
+        await settle()
+        try:
+            ref.ask_now("x")  # idle again: answered
+        except anyio.WouldBlock:
+            raise AssertionError("idle again") from None
+        assert log == ["block", "queued", "x"]
+
+
+async def test_a_handler_that_waits_under_ask_now_is_a_crash() -> None:
+    log: list[Any] = []
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("a", lambda: Answers(log, anyio.Event())))
+        try:
+            ref.ask_now("wait")
+        except ActorDead as exc:
+            assert isinstance(exc.__cause__, RuntimeError)
+        else:
+            raise AssertionError("a handler that waits is a crash")
+        await settle()
+        assert ref.alive and ref.statistics().restarts == 1
+        assert ref.ask_now("x") == 1  # a fresh incarnation
