@@ -597,7 +597,7 @@ class RunActor(Actor):
             return True  # the session could not take it and gave it back (`ReturnSpecs`)
         lease = self._offer(Offer(spec, who.worker_id, who.worker_name, who.local_steps,
                                   who.sticky))
-        peers.tell_now(e, path, Offered(spec, lease))
+        peers.tell_ref_now(ref, Offered(spec, lease))
         return True
 
     def _announce(self) -> None:
