@@ -44,6 +44,7 @@ from .services import Services
 
 __all__ = [
     "RETRIES",
+    "DueTimer",
     "activate_run",
     "active_runs",
     "announce",
@@ -336,6 +337,28 @@ def supervisors_alive(s: Services) -> bool:
         return bool(s.system.resolve("/runs").alive and s.system.resolve("/leases").alive)
     except ActorNotFound:
         return False
+
+
+class DueTimer:
+    """An actor's ``"due"`` timer as last armed, so that arming it for the deadline it is
+    armed for already costs nothing (a session re-arms after every message, a run
+    after every commit, and the deadline rarely moves). `fired()` when it fires."""
+
+    __slots__ = ("_armed",)
+
+    def __init__(self) -> None:
+        self._armed: int | None | object = _NEVER
+
+    def arm(self, s: Services, actor: Actor, due_ms: int | None) -> None:
+        if due_ms != self._armed:
+            self._armed = due_ms
+            arm_due(s, actor, due_ms)
+
+    def fired(self) -> None:
+        self._armed = _NEVER
+
+
+_NEVER = object()
 
 
 def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:

@@ -166,6 +166,7 @@ class RunActor(Actor):
         self.indexed_due: int | None = None
         self.indexed_active = False
         self._created: list[str] = []  # runs the last write created (children, grandchildren)
+        self._due = peers.DueTimer()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -278,6 +279,7 @@ class RunActor(Actor):
         if isinstance(message, Offer):
             return self._offer(message)
         if isinstance(message, Due):
+            self._due.fired()
             await self._handle(Tick())
             return None
         if isinstance(message, AttemptNote):
@@ -650,5 +652,5 @@ class RunActor(Actor):
 
     def _arm_at(self, due: int | None) -> None:
         """Arm (or cancel) the timer of the machine's next deadline, `due`."""
-        peers.arm_due(self.s, self, due)
+        self._due.arm(self.s, self, due)
 

@@ -116,6 +116,7 @@ class SessionActor(Actor):
         #: (cumulative on the worker: nothing to keep across restarts).
         self.sticky_counts: dict[str, int] | None = None
         self.machine: SessionMachine
+        self._due = peers.DueTimer()
 
     def _read_registration(self) -> None:
         raw = self.s.storage.get(store.WORKERS, self.worker_id)
@@ -194,6 +195,7 @@ class SessionActor(Actor):
         elif isinstance(message, Touch):
             m.touch(now)
         elif isinstance(message, Due):
+            self._due.fired()
             await self._perform(m.tick(now))
         elif isinstance(message, Reregistered):
             self._read_registration()
@@ -287,4 +289,4 @@ class SessionActor(Actor):
             self.machine.touch(self.s.clock.time_ms())
 
     def _arm(self) -> None:
-        peers.arm_due(self.s, self, self.machine.next_deadline())
+        self._due.arm(self.s, self, self.machine.next_deadline())
