@@ -181,12 +181,17 @@ class RegistryActor(Actor):
         """`_add`'s hand-over, minus the `SlotFor`: the run that asked delivers it.
 
         None (the run announces it instead) for a slot queued already (`_add`
-        sorts out a re-announcement) and for one no session takes now.
+        sorts out a re-announcement), for one no session takes now, and for one
+        whose first taker is an HTTP claim: a claim answers once its slots are
+        offered, and slots queued to its session together go out in one answer
+        (`ClaimReady`), where slots offered one by one would each end it.
         """
         if spec_slot(spec) in self.queued:
             return None
         for sub in self.waiting:
             if self._serves(sub, spec):
+                if sub.claim is not None:
+                    return None
                 taken = (sub.worker_id, sub.claim)
                 sub.n -= 1
                 if sub.n <= 0:
