@@ -118,6 +118,27 @@ class Actor:
     #: of its own, set for supervisors.
     _actor_scoped: ClassVar[bool] = False
     _actor_is_supervisor: ClassVar[bool] = False
+    #: True: every wait of this class's handlers (its `on_start` and messages;
+    #: not `on_stop`) ends by itself (a storage commit, another actor's answer,
+    #: a bounded retry), so a kill may wait for the wait in hand to end and is
+    #: delivered at the handler's next resumption (`Killed` thrown in), the way
+    #: `_drive.py` step 3 does: no cancel scope at all, never learned scoped.
+    #: A class whose handler may wait for something that never comes (an event
+    #: another actor may never set) must leave it False: a kill must interrupt it.
+    deferred_kill: ClassVar[bool] = False
+    #: True: `receive` never waits (it only reads and changes this actor's own
+    #: state and sends without waiting). A tell to it while it is idle (running,
+    #: nothing queued, no handler in flight) is then handled right in the
+    #: teller's `tell`/`tell_nowait` call: no ready queue, no dispatcher turn,
+    #: the same one-handler-at-a-time and per-sender order. A handler that
+    #: waits anyway is a crash. The daemon's registry is one.
+    sync_handlers: ClassVar[bool] = False
+    #: True: `on_start` never waits (the actor is handed its state, or reads it
+    #: without waiting). `start_child_nowait` then runs it on the spot, in the
+    #: caller's call, instead of leaving it to a dispatcher; a failure is still
+    #: the child's crash (`StartFailed`), never the caller's. One that waits
+    #: anyway is a crash. The daemon's lease actor is one (one start per step).
+    sync_start: ClassVar[bool] = False
 
     #: Why the incarnation before this one ended, when this one is a restart
     #: of the same child: the crash exception, `ActorKilled` for a kill, or

@@ -26,6 +26,14 @@ scope costs more than a whole inline ask (~3 µs on asyncio), so:
 `on_start` and `on_stop` always run in a scope entered first (`scoped=True`):
 they are rare next to messages, and a stop's deadline must hold.
 
+An actor class may opt out of scopes altogether (`Actor.deferred_kill`): its
+handlers' waits all end by themselves (a storage commit, another actor's
+answer), so every kill of one that waits takes step 3's path, delivered when
+the wait in hand ends; `on_start` too (not `on_stop`, whose deadline must
+hold). The daemon's run and lease actors do: a lease actor starts and ends on
+every step, and its call waits inside the run's inline handler, whose commit
+wait was the other scope of a step.
+
 A kill (`Runtime.cancel`) cancels the scope in `rt.scope`; `drive()` then
 raises `Killed` (also when the handler swallowed the cancellation and
 returned). Whatever else the handler raises propagates unchanged.
@@ -124,6 +132,12 @@ async def drive(
         Killed: `rt` was cancelled while the handler ran.
         BaseException: whatever the handler raised.
     """
+    if rt.deferred and not shield and deadline == math.inf:
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        return await _drive_deferred(rt, coro, yielded, sched)
     if scoped or rt.scoped:
         return await _drive_scoped(rt, coro, sched, shield, deadline)
     try:
@@ -131,6 +145,25 @@ async def drive(
     except StopIteration as stop:
         return stop.value
     return await _drive_rest(rt, coro, yielded, base, sched, shield, deadline)
+
+
+async def _drive_deferred(
+    rt: Driven,
+    coro: Coroutine[Any, Any, Any],
+    yielded: Any,
+    sched: Dispatcher | None,
+) -> Any:
+    """The rest of a handler of a `deferred_kill` class: a kill lands at its next resumption."""
+    if sched is not None:
+        sched.blocked()
+    try:
+        value = await _Resume(coro, yielded, rt)
+    finally:
+        if sched is not None:
+            sched.unblocked()
+    if rt.cancelled:
+        raise Killed
+    return value
 
 
 async def _drive_rest(

@@ -90,8 +90,12 @@ class Incarnation(Protocol):
     def timers(self) -> Sized: ...
     @property
     def started_at(self) -> int | None: ...
+    @property
+    def sync(self) -> bool: ...
 
     async def put(self, item: object) -> None: ...
+    def tell_inline(self, message: object) -> None: ...
+    def handle_now(self, message: object) -> Any: ...
     async def ask_inline(self, message: object) -> Any: ...
     def cancel(self, reason: BaseException | None) -> None: ...
     async def wait_done(self) -> None: ...
@@ -226,6 +230,9 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         queue = rt.queue
+        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
+            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+            return
         if len(queue) < rt.size:
             queue.append(message)
             if not rt.busy and not rt.scheduled:
@@ -245,11 +252,38 @@ class ActorRef:
             check_message(message)
         rt = self._runtime()
         queue = rt.queue
+        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
+            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+            return
         if len(queue) >= rt.size:
             raise anyio.WouldBlock
         queue.append(message)
         if not rt.busy and not rt.scheduled:
             rt.sched.schedule(rt)
+
+    def ask_now(self, message: object) -> Any:
+        """Have the actor handle `message` right here, if it is idle; return its reply.
+
+        A synchronous inline ask, for a message whose handler never waits,
+        sent where waiting is not an option (another actor's handler that must
+        not yield between two steps). Idle means what an inline ask needs:
+        running, nothing queued, no handler in flight; so one handler at a
+        time and per-sender order hold as for any message.
+
+        Raises:
+            WouldBlock: the actor is not idle; nothing was sent (send it
+                another way, or later).
+            ActorDead: no incarnation accepts messages at this path, or the
+                handler crashed, or waited (which is a crash of the actor).
+            MutableMessageError: `message` is not of an immutable type.
+            Exception: the handler's exception if listed in `reply_errors`.
+        """
+        if _VERDICTS.get(type(message)) is not True:
+            check_message(message)
+        rt = self._runtime()
+        if rt.inline and not rt.busy and not rt.queue and not rt.sysq:
+            return rt.handle_now(message)
+        raise anyio.WouldBlock
 
     async def ask(self, message: object, *, timeout: float | None = None) -> Any:
         """Send `message` and wait for the actor's reply (what `receive` returned).

@@ -98,9 +98,9 @@ class Runtime:
     # live in an instance dict (created on the first write) with class-level
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
-        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "done", "inline",
-        "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook", "started", "state",
-        "stop_hook", "sup", "sysq", "system", "timers",
+        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "deferred", "done",
+        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook",
+        "started", "state", "stop_hook", "sup", "sync", "sysq", "system", "timers",
     )  # fmt: skip
 
     senders: deque[Waiter] | None = None  # sends waiting for room
@@ -152,6 +152,8 @@ class Runtime:
         self.start_hook = cls._actor_start_hook
         self.stop_hook = cls._actor_stop_hook
         self.scoped = cls._actor_scoped
+        self.deferred = cls.deferred_kill
+        self.sync = cls.sync_handlers
         self.busy = False  # someone runs a handler (or the start or stop) now
         self.scheduled = False  # on the ready queue
         self.inline = False  # running, accepting, no stop requested: asks may run inline
@@ -312,6 +314,33 @@ class Runtime:
         self.start_pending = True
         self.notify()
 
+    def start_now(self) -> None:
+        """Run a start hook that never waits (`Actor.sync_start`) in the caller's call.
+
+        What `start_soon` has a dispatcher do, minus the queue and the turn. A
+        failure is the child's crash (`StartFailed`, its cause the exception),
+        as there; a hook that waits anyway is one too.
+        """
+        self.busy = True
+        coro = self.actor._actor_start()
+        try:
+            coro.send(None)
+        except StopIteration:
+            self.mark_started()
+            self._release_owner()
+            return
+        except Exception as exc:  # noqa: BLE001 - nobody awaits this start: a crash
+            cause: BaseException = exc
+        except BaseException:
+            self._end(None)
+            raise
+        else:
+            coro.close()
+            cause = RuntimeError(f"{self.cell.path}: the on_start of a sync_start actor waited")
+        failed = StartFailed(self.cell.path)
+        failed.__cause__ = cause
+        self._end(failed)
+
     # -- inline asks ----------------------------------------------------------
 
     async def ask_inline(self, message: object) -> Any:
@@ -330,6 +359,62 @@ class Runtime:
             raise self._inline_error(exc)  # ActorDead sets its own cause
         self._release_owner()
         return value
+
+    def tell_inline(self, message: object) -> None:
+        """Handle a tell in the teller's own call (`Actor.sync_handlers`; the actor is idle).
+
+        As a dispatcher would, minus the queue: one handler at a time (`busy`),
+        and nothing queued that it could overtake (the caller checked). The
+        handler must finish without waiting: nothing can interleave, so no
+        kill can land half way and no scope is needed. One that waits is a
+        crash of the actor (a bug in it), as is anything it raises, which the
+        teller does not hear of: its supervisor does, as for any tell.
+        """
+        self.busy = True
+        coro = self.actor.receive(message)
+        try:
+            coro.send(None)
+        except StopIteration:
+            self._release_owner()
+            return
+        except Exception as exc:  # noqa: BLE001 - a tell's failure is the actor's crash
+            self._crash_later(exc)
+            return
+        except BaseException:
+            self._release_owner()
+            raise
+        coro.close()
+        self._crash_later(RuntimeError(
+            f"{self.cell.path}: a handler of a sync_handlers actor waited"))
+
+    def handle_now(self, message: object) -> Any:
+        """`ActorRef.ask_now`: the handler run to its end in the caller's call (the actor is idle).
+
+        Raises:
+            ActorDead: the handler crashed, or waited (a crash too).
+            Exception: the handler's exception if listed in `reply_errors`.
+        """
+        self.busy = True
+        coro = self.actor.receive(message)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            self._release_owner()
+            return stop.value
+        except Exception as exc:
+            errors = self.actor.reply_errors
+            if errors and isinstance(exc, errors):
+                self._release_owner()
+                raise
+            self._crash_later(exc)
+            raise _dead(self.cell.path, exc) from None  # ActorDead sets its own cause
+        except BaseException:
+            self._release_owner()
+            raise
+        coro.close()
+        waited = RuntimeError(f"{self.cell.path}: a handler asked with ask_now waited")
+        self._crash_later(waited)
+        raise _dead(self.cell.path, waited)
 
     def _inline_error(self, exc: BaseException) -> BaseException:
         path = self.cell.path

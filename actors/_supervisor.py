@@ -209,10 +209,12 @@ class Supervisor(Actor):
         runtime = self._incarnate(child)
         self._children[spec.id] = child
         cell.register()
-        if runtime.start_hook:
-            runtime.start_soon()
-        else:
+        if not runtime.start_hook:
             runtime.mark_started()
+        elif runtime.actor.sync_start:
+            runtime.start_now()
+        else:
+            runtime.start_soon()
         return cell.ref()
 
     async def stop_child(self, child_id: str) -> None:
@@ -356,7 +358,16 @@ class Supervisor(Actor):
     def _child_exited(self, child: _Child, runtime: Runtime, reason: BaseException | None) -> None:
         rt = self._actor_runtime
         if rt is not None and not rt.closed:
-            rt.sysq.append(_ChildExit(child, runtime, reason))
+            item = _ChildExit(child, runtime, reason)
+            if not rt.busy and not rt.sysq and not rt.cancelled and rt.started \
+                    and self._actor_system_item_now(item):
+                # Idle, nothing queued ahead of it, and bookkeeping that cannot
+                # wait (a lease ending, a run passivating): done here, in the
+                # exiting child's owner, exactly as a turn would have done it
+                # (one handler at a time: nothing else holds this supervisor,
+                # and nothing runs between the check and the bookkeeping).
+                return
+            rt.sysq.append(item)
             rt.notify()
 
     async def _stop_incarnation(self, child: _Child) -> None:

@@ -63,6 +63,7 @@ class Driven(Protocol):
     """What `_drive` needs of the incarnation whose handler it runs (a `Runtime`)."""
 
     scoped: bool
+    deferred: bool
     scope: anyio.CancelScope | None
 
     @property

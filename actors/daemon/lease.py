@@ -40,7 +40,6 @@ from stepd.sansio.events import (
     AttemptRevived,
     AttemptStarted,
 )
-from stepd.sansio.local_steps import parse_records
 from stepd.sansio.lease import (
     LeaseMachine,
     LeaseRecord,
@@ -51,6 +50,7 @@ from stepd.sansio.lease import (
     Revived,
     reject_reason,
 )
+from stepd.sansio.local_steps import parse_records
 
 from . import peers, store
 from .messages import (
@@ -92,6 +92,12 @@ class LeaseMemo:
 class LeaseActor(Actor):
     kind = "lease"
     reply_errors = (Conflict, Invalid, NotFound)
+    #: Its handlers wait only for its run (an answer, an activation): a kill lands
+    #: when that ends, and no cancel scope is paid on each attempt (docs/actors.md).
+    deferred_kill = True
+    #: `on_start` reads its record without waiting: a new lease's actor is
+    #: running when the run's offer returns, with no dispatcher turn.
+    sync_start = True
 
     def __init__(self, services: Services, record: LeaseRecord, memo: LeaseMemo, *,
                  fresh: bool = True) -> None:
@@ -136,7 +142,9 @@ class LeaseActor(Actor):
         """The lease is over: its session hears it (a cancel if `reason`), then stop."""
         rec = self.machine.record
         self.s.lease_memos.pop(rec.lease_id, None)
-        peers.tell(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
+        # Handled right here when the session is idle (its handler never waits):
+        # a lease ends on every step, and a dispatcher turn for this cost more.
+        peers.tell_now(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
         self.stop()
 
     async def receive(self, message: Any) -> Any:

@@ -1,6 +1,6 @@
 """Messages between the daemon's actors: frozen, slotted dataclasses (STYLE.md rule 12).
 
-Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
+Who sends what (asks that wait only go run-ward, so no cycle of asks can deadlock):
 
 * API -> lease actor: `LeaseCall` (ask)
 * lease actor -> run actor: `ApplyAttempt` (ask), `AttemptNote` (tell)
@@ -11,6 +11,8 @@ Who sends what (asks only go run-ward, so no cycle of asks can deadlock):
 * API / connections -> session actor: `Attach`, `Detach`, `Grant`, `ClaimSlots`,
   `AbandonClaim`, `Touch`, `Resubscribe`, `Forget`
 * registry -> session actor: `SlotFor`
+* run actor -> registry: `Route`; -> session actor: `TakeSlot`, `Offered` (all `ask_now`,
+  in the run's own turn: the next step's slot offered with no dispatcher turn)
 * session actor -> registry: `Subscribe`, `Unsubscribe`, `ReturnSpecs`
 * API -> registry: `RegisterWorker`, `ForgetWorkers`, `RegistryStats`
 * run actor -> timer actor: `TimerIndexChanged`
@@ -183,6 +185,14 @@ class ForgetWorkers:
 
 
 @dataclass(frozen=True, slots=True)
+class Route:
+    """Asked of the registry by a run in its own turn (`ask_now`): which session takes
+    this slot now, ``(worker_id, claim)``, counted as handed to it; None: announce it."""
+
+    spec: AttemptSpec
+
+
+@dataclass(frozen=True, slots=True)
 class Subscribe:
     """A worker session takes `n` more slots: its push credit (claim None) or one claim."""
 
@@ -255,6 +265,34 @@ class SlotFor:
 
     spec: AttemptSpec
     claim: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TakeSlot:
+    """`SlotFor`, asked by the slot's run in its own turn (`ask_now`): the session takes
+    the slot and answers as whom the run is to offer it (`OfferAs`), or None (it gave
+    the slot back); the run then offers it and hands over the lease (`Offered`)."""
+
+    spec: AttemptSpec
+    claim: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class OfferAs:
+    """Who a session's worker is, for the lease a run offers it (see `Offer`)."""
+
+    worker_id: str
+    worker_name: str
+    local_steps: bool
+    sticky: StickyWorker | None
+
+
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """The run's answer to a `TakeSlot`: the lease, or None (the slot moved on)."""
+
+    spec: AttemptSpec
+    lease: dict[str, Any] | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ Every function takes the `Services` the caller stands on. Nothing here holds
 state or calls up into the API: a run tells the registry its runnable slots,
 a lease asks its run to apply a call, a session asks a run for an offer.
 Asks only go run-ward (leases, sessions, recovery and the API ask runs; runs
-ask nobody), so no cycle of asks can deadlock.
+wait on nobody: their `ask_now` of the registry and of a session never
+waits), so no cycle of asks can deadlock.
 
 The run and lease actors' child specs come from `Services.run_spec` and
 `Services.lease_spec`, set where the tree is built (`tree`), so this module
@@ -26,14 +27,24 @@ from stepd.actors import (
     ChildExists,
     ChildSpec,
     StartFailed,
+    SupervisorRef,
 )
 from stepd.sansio.errors import Fenced, NotFound, Unavailable
 
-from .messages import Announce, Due, EndLease, ReturnSpecs, TimerIndexChanged, WithdrawSlots
+from .messages import (
+    Announce,
+    Due,
+    EndLease,
+    ReturnSpecs,
+    Route,
+    TimerIndexChanged,
+    WithdrawSlots,
+)
 from .services import Services
 
 __all__ = [
     "RETRIES",
+    "DueTimer",
     "activate_run",
     "active_runs",
     "announce",
@@ -42,12 +53,17 @@ __all__ = [
     "ensure_schedule",
     "ensure_session",
     "ensure_work_session",
+    "fixed",
     "lease_alive",
     "registry",
+    "route_now",
     "start_lease",
     "supervisors_alive",
     "tell",
+    "tell_fixed",
+    "tell_now",
     "tell_ref",
+    "tell_ref_now",
     "timers_changed",
     "wake_run",
     "withdraw",
@@ -58,6 +74,21 @@ __all__ = [
 RETRIES = 50
 
 _GONE = (ActorDead, ActorNotFound, anyio.WouldBlock)
+
+
+def fixed(s: Services, path: str) -> ActorRef:
+    """The ref of one of the tree's fixed actors (`/registry`, `/leases`, `/timers`,
+    `/recovery`), resolved once: a ref reaches whichever incarnation is current.
+
+    Raises:
+        ActorNotFound: not in the tree (yet).
+    """
+    ref: ActorRef | None = s.fixed_refs.get(path)
+    if ref is None:
+        ref = s.system.resolve(path)
+        if ref.alive:  # a plain ActorRef stands in for a supervisor between incarnations
+            s.fixed_refs[path] = ref
+    return ref
 
 
 def tell(s: Services, path: str, message: Any) -> bool:
@@ -71,6 +102,46 @@ def tell(s: Services, path: str, message: Any) -> bool:
         return True
     except _GONE:
         return False
+
+
+def tell_fixed(s: Services, path: str, message: Any) -> bool:
+    """`tell` to one of the fixed actors (`fixed`)."""
+    try:
+        fixed(s, path).tell_nowait(message)
+        return True
+    except _GONE:
+        return False
+
+
+def tell_now(s: Services, path: str, message: Any) -> bool:
+    """`tell`, handled right here when the actor is idle (`ask_now`; its handler for
+    `message` must not wait), else queued; False when it is not there or full."""
+    try:
+        return tell_ref_now(s.system.resolve(path), message)
+    except _GONE:
+        return False
+
+
+def tell_ref_now(ref: ActorRef, message: Any) -> bool:
+    """`tell_now` through a ref already resolved."""
+    try:
+        try:
+            ref.ask_now(message)
+        except anyio.WouldBlock:
+            ref.tell_nowait(message)
+        return True
+    except _GONE:
+        return False
+
+
+def route_now(s: Services, spec: Any) -> tuple[str, int | None] | None:
+    """Which session takes `spec` now, counted as handed to it by the registry
+    (`Route`, in the caller's turn); None: nobody now, or the registry is busy."""
+    try:
+        routed: tuple[str, int | None] | None = fixed(s, "/registry").ask_now(Route(spec))
+        return routed
+    except _GONE:
+        return None
 
 
 def tell_ref(ref: ActorRef, message: Any) -> bool:
@@ -145,11 +216,11 @@ def announce(s: Services, specs: tuple[Any, ...], *, front: bool = False) -> Non
     """Queue runnable slots at the registry (`front`: ahead, they were taken back)."""
     if specs:
         # A restarting registry loses nothing: recovery re-announces every queued slot.
-        tell(s, "/registry", ReturnSpecs(specs) if front else Announce(specs))
+        tell_fixed(s, "/registry", ReturnSpecs(specs) if front else Announce(specs))
 
 
 def withdraw(s: Services, run_id: str, slots: tuple[tuple[str, int | None], ...] | None) -> None:
-    tell(s, "/registry", WithdrawSlots(run_id, slots))  # an offer of a withdrawn slot fails
+    tell_fixed(s, "/registry", WithdrawSlots(run_id, slots))  # an offer of a withdrawn slot fails
 
 
 def end_lease(s: Services, lease_id: str, reason: str) -> None:
@@ -166,7 +237,10 @@ def start_lease(s: Services, record: Any, *, fresh: bool = True) -> None:
     try:
         # A new lease's actor is handed its record: its on_start loads nothing,
         # so nobody waits for the startup handshake.
-        s.system.supervisor("/leases").start_child_nowait(s.lease_spec(record, fresh))
+        leases = fixed(s, "/leases")
+        if not isinstance(leases, SupervisorRef):
+            leases = s.system.supervisor("/leases")
+        leases.start_child_nowait(s.lease_spec(record, fresh))
     except ChildExists:
         pass
     except (ActorDead, ActorNotFound):
@@ -263,6 +337,28 @@ def supervisors_alive(s: Services) -> bool:
         return bool(s.system.resolve("/runs").alive and s.system.resolve("/leases").alive)
     except ActorNotFound:
         return False
+
+
+class DueTimer:
+    """An actor's ``"due"`` timer as last armed, so that arming it for the deadline it is
+    armed for already costs nothing (a session re-arms after every message, a run
+    after every commit, and the deadline rarely moves). `fired()` when it fires."""
+
+    __slots__ = ("_armed",)
+
+    def __init__(self) -> None:
+        self._armed: int | None | object = _NEVER
+
+    def arm(self, s: Services, actor: Actor, due_ms: int | None) -> None:
+        if due_ms != self._armed:
+            self._armed = due_ms
+            arm_due(s, actor, due_ms)
+
+    def fired(self) -> None:
+        self._armed = _NEVER
+
+
+_NEVER = object()
 
 
 def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:

@@ -6,7 +6,10 @@ its push connection's credit, and its HTTP claims waiting for work (each a
 count and maybe a run filter). Each slot is handed to exactly one session
 (`SlotFor`); the session asks the slot's run for a lease (`Offer`), and a slot
 the run no longer wants (withdrawn, or already offered) simply fails that
-offer, which gives the session its credit back.
+offer, which gives the session its credit back. A run offering its next slot
+in its own turn asks the registry which session takes it (`Route`, answered
+in the run's call: the pick is counted here exactly as a `SlotFor` is) and
+delivers it itself (`RunActor._offer_now`).
 
 Nothing here is durable: workers are reloaded from the `workers` table, runs
 re-announce their queued slots when they (re)start (`Resync`), and sessions
@@ -33,6 +36,7 @@ from .messages import (
     RegisterWorker,
     RegistryStats,
     ReturnSpecs,
+    Route,
     SlotFor,
     Subscribe,
     Unsubscribe,
@@ -81,6 +85,9 @@ class _Sub:
 class RegistryActor(Actor):
     kind = "registry"
     mailbox_size = 1 << 16
+    #: Every handler is synchronous (module docstring): a tell finding it idle is
+    #: routed in the teller's call (a run's announce, in the run's own turn).
+    sync_handlers = True
 
     def __init__(self, services: Services, load_workers: Callable[[], list[WorkerInfo]]) -> None:
         self.s = services
@@ -103,6 +110,8 @@ class RegistryActor(Actor):
             for spec in message.specs:
                 self._add(spec, front=False)
             return None
+        if isinstance(message, Route):
+            return self._route(message.spec)
         if isinstance(message, Subscribe):
             self._subscribe(message)
             return None
@@ -167,6 +176,28 @@ class RegistryActor(Actor):
         if sub.n <= 0:
             self._drop(sub)
         return True
+
+    def _route(self, spec: AttemptSpec) -> tuple[str, int | None] | None:
+        """`_add`'s hand-over, minus the `SlotFor`: the run that asked delivers it.
+
+        None (the run announces it instead) for a slot queued already (`_add`
+        sorts out a re-announcement), for one no session takes now, and for one
+        whose first taker is an HTTP claim: a claim answers once its slots are
+        offered, and slots queued to its session together go out in one answer
+        (`ClaimReady`), where slots offered one by one would each end it.
+        """
+        if spec_slot(spec) in self.queued:
+            return None
+        for sub in self.waiting:
+            if self._serves(sub, spec):
+                if sub.claim is not None:
+                    return None
+                taken = (sub.worker_id, sub.claim)
+                sub.n -= 1
+                if sub.n <= 0:
+                    self._drop(sub)
+                return taken
+        return None
 
     def _add(self, spec: AttemptSpec, *, front: bool) -> None:
         slot = spec_slot(spec)

@@ -11,8 +11,10 @@ A run with nothing in flight (waiting for a signal, sleeping, waiting on
 children, or over) passivates: the actor stops, the durable timer index and
 the inbox bring it back (DESIGN.md "Idle runs").
 
-Run actors never *ask* another actor (they only tell), and lease actors ask
-run actors: so no cycle of asks, no deadlock.
+Run actors never wait on another actor: they tell, and they `ask_now` the
+registry and a session to offer the next slot in their own turn (answered
+only by an idle actor whose handler never waits, else refused at once);
+lease actors and sessions ask run actors. So no cycle of waits, no deadlock.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stepd.actors import Actor, ActorDead, ActorKilled, StartFailed
+from stepd.actors import Actor, ActorDead, ActorKilled, ActorNotFound, StartFailed, WouldBlock
 from stepd.sansio.errors import Conflict, Invalid, StepdError
 from stepd.sansio.events import (
     AttemptOffered,
+    AttemptSpec,
     Begin,
     Cancel,
     CancelChildren,
@@ -49,17 +52,20 @@ from .messages import (
     ApplyAttempt,
     AttemptNote,
     CancelRun,
+    CloseSession,
     Due,
+    EnsureHolder,
     History,
     IdleCheck,
     InboxChanged,
-    CloseSession,
-    EnsureHolder,
     Offer,
+    Offered,
     Resync,
-    SessionNote,
     RetryRun,
+    SessionNote,
     Signal,
+    SlotFor,
+    TakeSlot,
 )
 from .services import Services
 
@@ -135,6 +141,10 @@ class StaleState(RuntimeError):
 class RunActor(Actor):
     kind = "run"
     reply_errors = (Conflict, Invalid)
+    #: Its handlers wait only for storage commits and for actors it starts or tells
+    #: (never asks): a kill lands when the wait in hand ends, the commit it waited
+    #: for on record, and no cancel scope is paid around each commit (docs/actors.md).
+    deferred_kill = True
 
     def __init__(
         self,
@@ -156,6 +166,7 @@ class RunActor(Actor):
         self.indexed_due: int | None = None
         self.indexed_active = False
         self._created: list[str] = []  # runs the last write created (children, grandchildren)
+        self._due = peers.DueTimer()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -266,8 +277,9 @@ class RunActor(Actor):
         if isinstance(message, ApplyAttempt):
             return await self._apply_attempt(message)
         if isinstance(message, Offer):
-            return await self._offer(message)
+            return self._offer(message)
         if isinstance(message, Due):
+            self._due.fired()
             await self._handle(Tick())
             return None
         if isinstance(message, AttemptNote):
@@ -315,7 +327,7 @@ class RunActor(Actor):
         await self._effects(tr)
         return tr
 
-    async def _offer(self, msg: Offer) -> dict[str, Any] | None:
+    def _offer(self, msg: Offer) -> dict[str, Any] | None:
         e = self.s
         now = self.s.clock.time_ms()
         lease_id = ids.lease_id(now)
@@ -525,7 +537,10 @@ class RunActor(Actor):
         e = self.s
         for effect in tr.effects:
             if isinstance(effect, Runnable):
-                peers.announce(e, effect.attempts)
+                specs = effect.attempts
+                if not any(type(other) is Withdraw for other in tr.effects):
+                    specs = tuple(spec for spec in specs if not self._offer_now(spec))
+                peers.announce(e, specs)
                 await self._open_sessions(effect.attempts)
             elif isinstance(effect, Withdraw):
                 peers.withdraw(e, effect.run_id, effect.slots)
@@ -548,6 +563,44 @@ class RunActor(Actor):
                              (self.s.clock.time_ms() - self.machine.record.created_at) / 1000)
                 e.watch.ended(self.run_id)
                 await self._close_sessions()
+
+    def _offer_now(self, spec: AttemptSpec) -> bool:
+        """Offer a runnable slot in this turn, if a session takes it now; False: announce it.
+
+        The registry stays the one router (`Route`: which subscribed session,
+        counted as handed to it); the session takes the slot as from the
+        registry's `SlotFor` (`TakeSlot`, credit and all) and answers as whom;
+        the offer is this run's own (`_offer`, as for the session's `Offer`);
+        the session pushes the lease (`Offered`). Each is an `ask_now`: handled
+        right here only if that actor is idle, by its own handler, none of
+        which waits; so this turn never waits on them, and no ask cycle can
+        form (the session does not ask this busy run, it is asked). Anything
+        not idle takes the queued path: the registry's pick goes as the
+        `SlotFor` it would have sent, the lease as a queued `Offered`.
+        """
+        if spec.session is not None:
+            return False  # a worker session's step: its holder, through the registry's queue
+        e = self.s
+        routed = peers.route_now(e, spec)
+        if routed is None:
+            return False
+        worker_id, claim = routed
+        path = f"/sessions/{worker_id}"
+        try:
+            ref = e.system.resolve(path)
+            try:
+                who = ref.ask_now(TakeSlot(spec, claim))
+            except WouldBlock:
+                ref.tell_nowait(SlotFor(spec, claim))  # the registry's own hand-over
+                return True
+        except (ActorDead, ActorNotFound, WouldBlock):
+            return False  # the registry queues it; that session's next incarnation subscribes
+        if who is None:
+            return True  # the session could not take it and gave it back (`ReturnSpecs`)
+        lease = self._offer(Offer(spec, who.worker_id, who.worker_name, who.local_steps,
+                                  who.sticky))
+        peers.tell_ref_now(ref, Offered(spec, lease))
+        return True
 
     def _announce(self) -> None:
         specs = self.machine.runnable()
@@ -599,5 +652,5 @@ class RunActor(Actor):
 
     def _arm_at(self, due: int | None) -> None:
         """Arm (or cancel) the timer of the machine's next deadline, `due`."""
-        peers.arm_due(self.s, self, due)
+        self._due.arm(self.s, self, due)
 

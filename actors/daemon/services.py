@@ -49,7 +49,7 @@ class DaemonConfig:
     sync: bool = True  # False only for benchmark comparison and the power-loss control: unsafe
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
-    prices: PriceBook = PriceBook()
+    prices: PriceBook = PriceBook()  # noqa: RUF009 - frozen: one shared default is safe
     #: Finished runs are deleted this long after they ended (0: kept forever; docs/storage.md
     #: "Retention"); their idempotency keys after `idempotency_retention_ms` (0: the same).
     retention_ms: int = 0
@@ -192,6 +192,10 @@ class Services:
     #: could not renew while the daemon was down), as recovery grants leases a full
     #: TTL; the restart after a kill keeps the lease end on record.
     work_sessions_seen: set[str] = field(default_factory=set)
+    #: Refs to the tree's fixed actors (`/registry`, `/leases`...), resolved once:
+    #: a ref reaches whichever incarnation is current at its path (docs/actors.md),
+    #: and these paths are resolved several times per step (`peers.fixed`).
+    fixed_refs: dict[str, Any] = field(default_factory=dict)
     #: The child specs of a run actor (run id, its freshly started machine or
     #: None, whether a message is on its way) and of a lease actor (record,
     #: fresh offer): set where the tree is built, so `peers` starts actors

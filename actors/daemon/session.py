@@ -52,6 +52,8 @@ from .messages import (
     ForgetWorkers,
     Grant,
     LeaseEnded,
+    OfferAs,
+    Offered,
     ReleaseLease,
     Reregistered,
     Resubscribe,
@@ -60,6 +62,7 @@ from .messages import (
     SessionInfo,
     SlotFor,
     StickyReport,
+    TakeSlot,
     Touch,
 )
 from .messages import (
@@ -113,11 +116,12 @@ class SessionActor(Actor):
         #: (cumulative on the worker: nothing to keep across restarts).
         self.sticky_counts: dict[str, int] | None = None
         self.machine: SessionMachine
+        self._due = peers.DueTimer()
 
     def _read_registration(self) -> None:
         raw = self.s.storage.get(store.WORKERS, self.worker_id)
         if not isinstance(raw, dict):
-            raise LookupError(f"worker {self.worker_id} is not registered")
+            raise LookupError(f"worker {self.worker_id} is not registered")  # noqa: TRY004 - peers reads it as "not on record"
         self.name = str(raw.get("name") or "")
         self.local_steps = WorkerCapabilities.from_record(raw).supports("local_steps")
         self.sticky = worker_of(self.worker_id, raw)
@@ -146,7 +150,20 @@ class SessionActor(Actor):
     async def receive(self, message: Any) -> Any:
         m = self.machine
         now = self.s.clock.time_ms()
-        if isinstance(message, SlotFor):
+        if isinstance(message, TakeSlot):
+            # The slot's run asks, in its own turn (`ask_now`): it makes the lease
+            # itself, so the `Offer` is answered as whom, not performed.
+            actions = m.slot(message.spec, message.claim, now)
+            if len(actions) == 1 and isinstance(actions[0], Offer):
+                # No re-arm: a slot in hand only ever removes the idle expiry,
+                # and the `Offered` that follows at once arms what is due.
+                return OfferAs(self.worker_id, self.name, self.local_steps, self.sticky)
+            await self._perform(actions)
+            self._arm()
+            return None
+        if isinstance(message, Offered):
+            await self._perform(m.offered(message.spec, message.lease, now))
+        elif isinstance(message, SlotFor):
             await self._perform(m.slot(message.spec, message.claim, now))
         elif isinstance(message, LeaseEnded):
             await self._perform(m.lease_ended(message.lease_id, message.reason, now))
@@ -178,6 +195,7 @@ class SessionActor(Actor):
         elif isinstance(message, Touch):
             m.touch(now)
         elif isinstance(message, Due):
+            self._due.fired()
             await self._perform(m.tick(now))
         elif isinstance(message, Reregistered):
             self._read_registration()
@@ -271,4 +289,4 @@ class SessionActor(Actor):
             self.machine.touch(self.s.clock.time_ms())
 
     def _arm(self) -> None:
-        peers.arm_due(self.s, self, self.machine.next_deadline())
+        self._due.arm(self.s, self, self.machine.next_deadline())
