@@ -76,6 +76,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
 from typing import Any, Final
 
 import anyio
@@ -209,6 +210,30 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.http.response.body", "body": data})
     else:  # the server cannot answer with a body: a bare refusal (403)
         await send({"type": "websocket.close", "code": 1008})
+
+
+class _Held:
+    """Leases this connection's session offers while one of its calls is handled in the
+    same task, queued only after that call's answer.
+
+    The next step is offered inside the run's turn, i.e. inside the `complete` call
+    of the step before it (docs/architecture.md "A step over the WebSocket"). Without
+    this, the worker would read the next `lease` before the `ok` of its `complete`;
+    PROTOCOL.md promises no order, but every worker written before the in-turn offer
+    saw the answer first, and a simple client that reads its answer as the next frame
+    would break. A context variable (a task's own) names the call; a task that copied
+    it after the call (``open`` False) is not held.
+    """
+
+    __slots__ = ("conn", "leases", "open")
+
+    def __init__(self, conn: WorkerConnection) -> None:
+        self.conn = conn
+        self.leases: list[dict[str, Any]] = []
+        self.open = True
+
+
+_HELD: ContextVar[_Held | None] = ContextVar("stepd_ws_held", default=None)
 
 
 class WorkerConnection(FrameWriter):
@@ -562,6 +587,8 @@ class WorkerConnection(FrameWriter):
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
             protocol.call_begins()  # counted for the drain; abort() cancels the whole connection
+            held = _Held(self)
+            token = _HELD.set(held)
             try:
                 # docs/affinity.md: session calls name their session, lease calls their lease.
                 name = "session_id" if op.text.startswith("session_") else "lease_id"
@@ -581,6 +608,10 @@ class WorkerConnection(FrameWriter):
                 await self._push(answer_frame(frame_id, reply))
             finally:
                 protocol.call_ends()
+                held.open = False
+                _HELD.reset(token)
+                for lease in held.leases:  # after the answer: see `_Held`
+                    self._queue_lease(lease)
         finally:
             done.set()
             del self._in_flight[ticket]
@@ -612,6 +643,13 @@ class WorkerConnection(FrameWriter):
 
     def lease(self, lease: dict[str, Any]) -> bool:
         """Queue a lease (its credit bounds how many wait); False when the connection ends."""
+        held = _HELD.get()
+        if held is not None and held.conn is self and held.open:
+            held.leases.append(lease)
+            return True
+        return self._queue_lease(lease)
+
+    def _queue_lease(self, lease: dict[str, Any]) -> bool:
         if self._pool_closing or self._peer_gone:
             return False
         message, size = self._encode({"op": "lease", "lease": lease})

@@ -235,3 +235,30 @@ def test_the_handshake_needs_a_known_subprotocol(daemon: DaemonProcess) -> None:
     with connect(url, subprotocols=["stepd.v1.json", "stepd.v1.msgpack"],  # type: ignore[list-item]
                  proxy=None, open_timeout=5) as conn:
         assert conn.subprotocol == "stepd.v1.msgpack"  # the daemon prefers msgpack
+
+
+@pytest.mark.parametrize("subprotocol", SUBPROTOCOLS)
+def test_the_complete_is_answered_before_the_next_lease_is_pushed(
+        daemon: DaemonProcess, subprotocol: str) -> None:
+    """The next step is offered inside the `complete`'s own call (the run's turn), yet
+    the worker reads the `ok` first, then the lease, as a client that takes the next
+    frame for its answer expects (transport/websocket.py `_Held`)."""
+    name = unique()
+    with ws_connect(daemon, subprotocol=subprotocol) as conn, daemon.client() as http:
+        w = WsWorker(conn)
+        w.request("register", definitions=[task_def(name, "a", "b", "c")])
+        w.send({"op": "credit", "n": 1})
+        run_id = start_run(http, name)
+        lease = w.wait_for("lease")["lease"]
+        for step, following in (("a", "b"), ("b", "c")):
+            assert lease["step_id"] == step
+            w.send({"op": "credit", "n": 1})
+            w.send({"op": "complete", "id": 100, "lease_id": lease["lease_id"],
+                    "output": step, "started": True})
+            answer = w.recv_raw(10)
+            assert answer == {"op": "ok", "id": 100}, answer
+            nxt = w.recv_raw(10)
+            assert nxt["op"] == "lease" and nxt["lease"]["step_id"] == following, nxt
+            lease = nxt["lease"]
+        w.request("complete", lease_id=lease["lease_id"], output="done", started=True)
+        assert wait_result(http, run_id)["result"] == "done"
