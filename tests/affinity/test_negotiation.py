@@ -9,6 +9,7 @@ the SDK's own declaration is checked in tests/sdk/test_local_steps.py.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,9 @@ def span(span_id: str = "ab" * 8, **extra: Any) -> dict[str, Any]:
 def test_a_local_records_usage_and_spans_are_checked_as_a_completes(
         link: HttpLink | WsLink, daemon: DaemonProcess, change: dict[str, Any],
         field: str) -> None:
-    name = f"local-usage-{link.transport}"
+    # A workflow of its own per case: a run left by another case holds a `tally` slot that
+    # this case's worker could be offered first.
+    name = f"local-usage-{link.transport}-{uuid.uuid4().hex[:8]}"
     assert register(link, name, protocol_version="1.20", capabilities=["local_steps"],
                     manifest=MANIFEST).kind == "ok"
     [run] = start_runs(daemon.url, name, [1])
