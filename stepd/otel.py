@@ -142,27 +142,25 @@ class ExportStats:
     forgotten: int
 
 
-#: Journal entry types a span is made of (`TraceBuilder.feed` reads no others).
-_TRACED = frozenset({"step_offered", "step_started", "step_completed", "step_failed",
-                     "step_unservable", "step_recovered"})
+#: Writes packed per msgpack call: the export thread lets go of the GIL between them.
+PACK_CHUNK = 256
+
+
 #: The run record's fields a run span is made of.
 _RUN_FIELDS = ("workflow", "version", "hash", "created_at", "correlation", "idempotency_key",
                "parent", "input_tokens", "output_tokens", "cost_usd")
 
 
-def _slim(run_id: str, record: Any, journal: Any, leases: Any, lease_status: Any) -> Any:
-    """What of a write the child needs: no run state, inputs or results cross the pipe."""
-    entries = []
-    ends = False
+def _wire(write: Any) -> tuple[Any, ...]:
+    """A write as the child reads it: its journal and lease records as committed, whole (one
+    C call packs them); of the run record, only a run span's fields, only when it ends."""
+    journal = write.journal
+    record = None
     for entry in journal:
-        kind = entry.get("type")
-        if kind in _TRACED:
-            entries.append(entry)
-        elif kind in RUN_ENDS:
-            ends = True
-            entries.append({"type": kind, "at": entry.get("at"), "error": entry.get("error")})
-    run = {k: record.get(k) for k in _RUN_FIELDS} if ends else {}
-    return (run_id, run, entries, leases, lease_status)
+        if entry.get("type") in RUN_ENDS:
+            record = {k: write.record.get(k) for k in _RUN_FIELDS}
+            break
+    return (write.run_id, record, journal, write.leases, write.lease_status)
 
 
 class SpanExport:
@@ -186,7 +184,7 @@ class SpanExport:
         self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_S * 1000) / 1000
         self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH))
         self._max_queue = max_queue
-        self._queue: collections.deque[tuple[str, Any, Any, Any, Any]] = collections.deque()
+        self._queue: collections.deque[Any] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -205,7 +203,7 @@ class SpanExport:
         if n >= self._max_queue:
             self._dropped += 1
             return
-        queue.append((write.run_id, write.record, write.journal, write.leases, write.lease_status))
+        queue.append(write)
         if n == WAKE_AT:
             self._wake.set()
 
@@ -268,15 +266,20 @@ class SpanExport:
     def _send(self, pipe: Any, answers: Any) -> bool:
         """One frame of what is queued, then its answer. False: the child is gone."""
         queue = self._queue
-        writes: list[Any] = []
-        while queue and len(writes) < 4 * WAKE_AT:
-            writes.append(_slim(*queue.popleft()))
-        frame = msgpack.packb(writes, default=str)
+        pack = msgpack.Packer(default=str).pack
+        parts = [b""]
+        taken = 0
+        while queue and taken < 4 * WAKE_AT:
+            chunk = [_wire(queue.popleft()) for _ in range(min(PACK_CHUNK, len(queue)))]
+            taken += len(chunk)
+            parts.append(pack(chunk))
+        size = sum(len(p) for p in parts)
+        parts[0] = size.to_bytes(4, "big")
         try:
-            pipe.write(len(frame).to_bytes(4, "big") + frame)
+            pipe.write(b"".join(parts))
             pipe.flush()
         except OSError as exc:
-            self._dropped += len(writes) + len(queue)
+            self._dropped += taken + len(queue)
             queue.clear()
             log.error("stepd: the span export process is gone (%r); spans are no longer "
                       "exported", exc)
