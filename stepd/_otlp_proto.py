@@ -44,27 +44,59 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+#: Varints of the lengths most fields have: a list index instead of a loop.
+_LENGTHS = [_varint(n) for n in range(4096)]
+
+
 def _field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field: its tag, the payload's length, the payload."""
-    return tag + _varint(len(payload)) + payload
+    n = len(payload)
+    return tag + (_LENGTHS[n] if n < 4096 else _varint(n)) + payload
 
 
 def _text(value: str) -> bytes:
     return value.encode("utf-8", "replace")
 
 
+_MEMO_MAX = 4096
+#: Attribute keys (few, repeated on every span), as their encoded ``KeyValue.key`` field.
+_KEYS: dict[str, bytes] = {}
+#: Short string values, many repeated (outcomes, step ids, worker names), as ``AnyValue``.
+_STRINGS: dict[str, bytes] = {}
+
+
+def _string_value(value: str) -> bytes:
+    found = _STRINGS.get(value)
+    if found is None:
+        found = _field(b"\x0a", _text(value))
+        if len(value) <= 64:
+            if len(_STRINGS) >= _MEMO_MAX:
+                _STRINGS.clear()
+            _STRINGS[value] = found
+    return found
+
+
 def _any_value(value: Any) -> bytes:
     """An ``AnyValue`` (the types `stepd.sansio.trace.span_attributes` leaves, and maps)."""
-    if value is None:
-        return b""
-    if isinstance(value, bool):
-        return b"\x10\x01" if value else b"\x10\x00"
-    if isinstance(value, str):
-        return _field(b"\x0a", _text(value))
-    if isinstance(value, int):
+    kind = type(value)
+    if kind is str:
+        return _string_value(value)
+    if kind is int:
         if _INT64_MIN <= value <= _INT64_MAX:
             return b"\x18" + _varint(value & 0xFFFF_FFFF_FFFF_FFFF)
-        return _field(b"\x0a", _text(str(value)))  # past int64: its digits, not lost
+        return _string_value(str(value))  # past int64: its digits, not lost
+    if kind is bool:
+        return b"\x10\x01" if value else b"\x10\x00"
+    if kind is float:
+        return b"\x21" + _double(value)
+    if value is None:
+        return b""
+    if isinstance(value, str):  # a str subclass (an enum): its text, as the SDK sends it
+        return _field(b"\x0a", _text(value))
+    if isinstance(value, bool):
+        return b"\x10\x01" if value else b"\x10\x00"
+    if isinstance(value, int):
+        return _any_value(int(value))
     if isinstance(value, float):
         return b"\x21" + _double(value)
     if isinstance(value, bytes):
@@ -74,16 +106,22 @@ def _any_value(value: Any) -> bytes:
             _field(b"\x0a", _key_value(str(k), v)) for k, v in value.items()))
     if isinstance(value, Sequence):
         return _field(b"\x2a", b"".join(_field(b"\x0a", _any_value(v)) for v in value))
-    return _field(b"\x0a", _text(str(value)))
+    return _string_value(str(value))
 
 
 def _key_value(key: str, value: Any) -> bytes:
-    return _field(b"\x0a", _text(key)) + _field(b"\x12", _any_value(value))
+    head = _KEYS.get(key)
+    if head is None:
+        head = _field(b"\x0a", _text(key))
+        if len(_KEYS) >= _MEMO_MAX:
+            _KEYS.clear()
+        _KEYS[key] = head
+    return head + _field(b"\x12", _any_value(value))
 
 
 def encode_attributes(tag: bytes, attributes: Mapping[str, Any]) -> bytes:
     """Repeated ``KeyValue`` under field ``tag``."""
-    return b"".join(_field(tag, _key_value(k, v)) for k, v in attributes.items())
+    return b"".join([_field(tag, _key_value(k, v)) for k, v in attributes.items()])
 
 
 def encode_span(s: SpanData) -> bytes:
