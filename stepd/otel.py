@@ -15,21 +15,24 @@ Where the work happens, and why:
   (`MAX_QUEUE`); when it is full the write is dropped and counted
   (`ExportStats.dropped`), never waited for.
 * On the export's thread: every ``OTEL_BSP_SCHEDULE_DELAY`` (or sooner, at
-  `WAKE_AT` queued writes) it takes what is queued, keeps of each write only
-  what spans are made of (`_slim`: the journal entries that open or end
-  attempts and runs, the lease records, a few fields of the run record),
-  and sends that as one msgpack frame down a pipe; then it waits for the
-  frame's answer. One frame in flight: a slow collector backs up into the
-  bounded queue, where it is counted, not into memory.
+  `WAKE_AT` queued writes) it takes what is queued and packs the writes as
+  they were committed, whole (journal entries and lease records; of the run
+  record only a run span's fields, and only when the write ends the run),
+  with msgpack in chunks of `PACK_CHUNK` writes, one frame down a pipe; then
+  it waits for the frame's answer. One Python call per write (`_wire`),
+  none per entry or span: the entries are packed in C
+  (``tests/otel/test_handoff_cost.py`` counts it). One frame in flight: a
+  slow collector backs up into the bounded queue, where it is counted, not
+  into memory.
 * In a child process (`stepd._otel_child`, started and stopped with the
-  export, by PID): the `TraceBuilder`, the SDK span objects and the protobuf
-  encoding, and OpenTelemetry's ``OTLPSpanExporter`` (which honours
-  ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``,
-  ``..._CERTIFICATE`` and their ``..._TRACES_...`` forms). Building and
-  encoding a span costs tens of microseconds of Python; done in the daemon's
-  process it took the GIL from the event loop (bench B with export on lost
-  a quarter of its throughput on 2 cores). In its own process it runs on
-  the other core.
+  export, by PID): the `TraceBuilder`, the protobuf encoding
+  (`stepd._otlp_proto`, written directly: a fifth of the SDK's CPU per
+  span) and the sending, by OpenTelemetry's ``OTLPSpanExporter``'s own HTTP
+  client (which honours ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``,
+  ``..._COMPRESSION``, ``..._CERTIFICATE`` and their ``..._TRACES_...``
+  forms). Done in the daemon's process, building and encoding spans took the
+  GIL from the event loop; in its own process it runs on the other core, at
+  nice 10. docs/otel.md, "What export costs", has the counts.
 """
 
 from __future__ import annotations
@@ -263,20 +266,28 @@ class SpanExport:
             log.error("stepd: the span export process failed (%r); spans are no longer "
                       "exported", exc)
 
-    def _send(self, pipe: Any, answers: Any) -> bool:
-        """One frame of what is queued, then its answer. False: the child is gone."""
+    def _frame(self) -> tuple[bytes, int]:
+        """Up to ``4 * WAKE_AT`` queued writes as one frame (length, then msgpack arrays of
+        at most `PACK_CHUNK`), and how many it holds. Python per write: `_wire`, no more."""
         queue = self._queue
         pack = msgpack.Packer(default=str).pack
         parts = [b""]
-        taken = 0
+        taken = size = 0
         while queue and taken < 4 * WAKE_AT:
             chunk = [_wire(queue.popleft()) for _ in range(min(PACK_CHUNK, len(queue)))]
             taken += len(chunk)
-            parts.append(pack(chunk))
-        size = sum(len(p) for p in parts)
+            packed = pack(chunk)
+            size += len(packed)
+            parts.append(packed)
         parts[0] = size.to_bytes(4, "big")
+        return b"".join(parts), taken
+
+    def _send(self, pipe: Any, answers: Any) -> bool:
+        """One frame of what is queued, then its answer. False: the child is gone."""
+        queue = self._queue
+        frame, taken = self._frame()
         try:
-            pipe.write(b"".join(parts))
+            pipe.write(frame)
             pipe.flush()
         except OSError as exc:
             self._dropped += taken + len(queue)
