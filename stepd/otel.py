@@ -147,6 +147,9 @@ class ExportStats:
 
 #: Writes packed per msgpack call: the export thread lets go of the GIL between them.
 PACK_CHUNK = 256
+#: A frame stops taking writes past this size (step outputs cross whole: a few large ones
+#: must not make one frame of gigabytes).
+FRAME_BYTES = 16 << 20
 
 
 #: The run record's fields a run span is made of.
@@ -267,13 +270,14 @@ class SpanExport:
                       "exported", exc)
 
     def _frame(self) -> tuple[bytes, int]:
-        """Up to ``4 * WAKE_AT`` queued writes as one frame (length, then msgpack arrays of
-        at most `PACK_CHUNK`), and how many it holds. Python per write: `_wire`, no more."""
+        """Up to ``4 * WAKE_AT`` queued writes (fewer past `FRAME_BYTES`) as one frame (length,
+        then msgpack arrays of at most `PACK_CHUNK`), and how many it holds. Python per
+        write: `_wire`, no more."""
         queue = self._queue
         pack = msgpack.Packer(default=str).pack
         parts = [b""]
         taken = size = 0
-        while queue and taken < 4 * WAKE_AT:
+        while queue and taken < 4 * WAKE_AT and size < FRAME_BYTES:
             chunk = [_wire(queue.popleft()) for _ in range(min(PACK_CHUNK, len(queue)))]
             taken += len(chunk)
             packed = pack(chunk)

@@ -95,3 +95,18 @@ def test_packing_costs_one_python_call_per_write_not_per_entry() -> None:
         assert got[1][1] is None  # no run end: no record
     assert found[1] == found[20]  # no Python per journal entry
     assert c_calls[20] - c_calls[1] <= 19 * WRITES  # one C call per entry, no more
+
+
+def test_a_frame_stops_taking_writes_past_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs cross whole: past `FRAME_BYTES` a frame ends after its current chunk, and the
+    rest waits for the next frame (nothing dropped)."""
+    monkeypatch.setattr("stepd.otel.FRAME_BYTES", 1)
+    export = SpanExport("http://127.0.0.1:4318")
+    for i in range(WRITES):
+        export.committed(write(i, 1, ends=False))
+    sizes = []
+    while export.statistics().queued:
+        frame, taken = export._frame()
+        sizes.append(taken)
+        assert len(writes_of(frame[4:])) == taken
+    assert sizes == [PACK_CHUNK, PACK_CHUNK, WRITES - 2 * PACK_CHUNK]
