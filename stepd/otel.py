@@ -15,21 +15,24 @@ Where the work happens, and why:
   (`MAX_QUEUE`); when it is full the write is dropped and counted
   (`ExportStats.dropped`), never waited for.
 * On the export's thread: every ``OTEL_BSP_SCHEDULE_DELAY`` (or sooner, at
-  `WAKE_AT` queued writes) it takes what is queued, keeps of each write only
-  what spans are made of (`_slim`: the journal entries that open or end
-  attempts and runs, the lease records, a few fields of the run record),
-  and sends that as one msgpack frame down a pipe; then it waits for the
-  frame's answer. One frame in flight: a slow collector backs up into the
-  bounded queue, where it is counted, not into memory.
+  `WAKE_AT` queued writes) it takes what is queued and packs the writes as
+  they were committed, whole (journal entries and lease records; of the run
+  record only a run span's fields, and only when the write ends the run),
+  with msgpack in chunks of `PACK_CHUNK` writes, one frame down a pipe; then
+  it waits for the frame's answer. One Python call per write (`_wire`),
+  none per entry or span: the entries are packed in C
+  (``tests/otel/test_handoff_cost.py`` counts it). One frame in flight: a
+  slow collector backs up into the bounded queue, where it is counted, not
+  into memory.
 * In a child process (`stepd._otel_child`, started and stopped with the
-  export, by PID): the `TraceBuilder`, the SDK span objects and the protobuf
-  encoding, and OpenTelemetry's ``OTLPSpanExporter`` (which honours
-  ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``,
-  ``..._CERTIFICATE`` and their ``..._TRACES_...`` forms). Building and
-  encoding a span costs tens of microseconds of Python; done in the daemon's
-  process it took the GIL from the event loop (bench B with export on lost
-  a quarter of its throughput on 2 cores). In its own process it runs on
-  the other core.
+  export, by PID): the `TraceBuilder`, the protobuf encoding
+  (`stepd._otlp_proto`, written directly: a fifth of the SDK's CPU per
+  span) and the sending, by OpenTelemetry's ``OTLPSpanExporter``'s own HTTP
+  client (which honours ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``,
+  ``..._COMPRESSION``, ``..._CERTIFICATE`` and their ``..._TRACES_...``
+  forms). Done in the daemon's process, building and encoding spans took the
+  GIL from the event loop; in its own process it runs on the other core, at
+  nice 10. docs/otel.md, "What export costs", has the counts.
 """
 
 from __future__ import annotations
@@ -142,27 +145,28 @@ class ExportStats:
     forgotten: int
 
 
-#: Journal entry types a span is made of (`TraceBuilder.feed` reads no others).
-_TRACED = frozenset({"step_offered", "step_started", "step_completed", "step_failed",
-                     "step_unservable", "step_recovered"})
+#: Writes packed per msgpack call: the export thread lets go of the GIL between them.
+PACK_CHUNK = 256
+#: A frame stops taking writes past this size (step outputs cross whole: a few large ones
+#: must not make one frame of gigabytes).
+FRAME_BYTES = 16 << 20
+
+
 #: The run record's fields a run span is made of.
 _RUN_FIELDS = ("workflow", "version", "hash", "created_at", "correlation", "idempotency_key",
                "parent", "input_tokens", "output_tokens", "cost_usd")
 
 
-def _slim(run_id: str, record: Any, journal: Any, leases: Any, lease_status: Any) -> Any:
-    """What of a write the child needs: no run state, inputs or results cross the pipe."""
-    entries = []
-    ends = False
+def _wire(write: Any) -> tuple[Any, ...]:
+    """A write as the child reads it: its journal and lease records as committed, whole (one
+    C call packs them); of the run record, only a run span's fields, only when it ends."""
+    journal = write.journal
+    record = None
     for entry in journal:
-        kind = entry.get("type")
-        if kind in _TRACED:
-            entries.append(entry)
-        elif kind in RUN_ENDS:
-            ends = True
-            entries.append({"type": kind, "at": entry.get("at"), "error": entry.get("error")})
-    run = {k: record.get(k) for k in _RUN_FIELDS} if ends else {}
-    return (run_id, run, entries, leases, lease_status)
+        if entry.get("type") in RUN_ENDS:
+            record = {k: write.record.get(k) for k in _RUN_FIELDS}
+            break
+    return (write.run_id, record, journal, write.leases, write.lease_status)
 
 
 class SpanExport:
@@ -186,7 +190,7 @@ class SpanExport:
         self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_S * 1000) / 1000
         self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH))
         self._max_queue = max_queue
-        self._queue: collections.deque[tuple[str, Any, Any, Any, Any]] = collections.deque()
+        self._queue: collections.deque[Any] = collections.deque()
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -205,7 +209,7 @@ class SpanExport:
         if n >= self._max_queue:
             self._dropped += 1
             return
-        queue.append((write.run_id, write.record, write.journal, write.leases, write.lease_status))
+        queue.append(write)
         if n == WAKE_AT:
             self._wake.set()
 
@@ -265,18 +269,32 @@ class SpanExport:
             log.error("stepd: the span export process failed (%r); spans are no longer "
                       "exported", exc)
 
+    def _frame(self) -> tuple[bytes, int]:
+        """Up to ``4 * WAKE_AT`` queued writes (fewer past `FRAME_BYTES`) as one frame (length,
+        then msgpack arrays of at most `PACK_CHUNK`), and how many it holds. Python per
+        write: `_wire`, no more."""
+        queue = self._queue
+        pack = msgpack.Packer(default=str).pack
+        parts = [b""]
+        taken = size = 0
+        while queue and taken < 4 * WAKE_AT and size < FRAME_BYTES:
+            chunk = [_wire(queue.popleft()) for _ in range(min(PACK_CHUNK, len(queue)))]
+            taken += len(chunk)
+            packed = pack(chunk)
+            size += len(packed)
+            parts.append(packed)
+        parts[0] = size.to_bytes(4, "big")
+        return b"".join(parts), taken
+
     def _send(self, pipe: Any, answers: Any) -> bool:
         """One frame of what is queued, then its answer. False: the child is gone."""
         queue = self._queue
-        writes: list[Any] = []
-        while queue and len(writes) < 4 * WAKE_AT:
-            writes.append(_slim(*queue.popleft()))
-        frame = msgpack.packb(writes, default=str)
+        frame, taken = self._frame()
         try:
-            pipe.write(len(frame).to_bytes(4, "big") + frame)
+            pipe.write(frame)
             pipe.flush()
         except OSError as exc:
-            self._dropped += len(writes) + len(queue)
+            self._dropped += taken + len(queue)
             queue.clear()
             log.error("stepd: the span export process is gone (%r); spans are no longer "
                       "exported", exc)
