@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import pytest
 
 import stepd
+from tests._waiting import eventually
 
 from ._pages import TIMEOUT_MS, assert_clean, goto, open_page, shoot, sign_in
 from .conftest import KEYS, DaemonProcess, keyed_args, start_daemon
@@ -74,9 +74,7 @@ def c(ctx: stepd.StepContext, value: Any, steps: dict[str, Any]) -> dict[str, An
 
 
 def wait_for_cancel(ctx: stepd.StepContext, value: Any) -> str:
-    deadline = time.monotonic() + 60
-    while not ctx.cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
+    ctx.cancel_event.wait(60)  # the test cancels the run from the page
     raise stepd.Retryable("cancelled or tired of waiting")
 
 
@@ -136,17 +134,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             wclient.close()
             client.close()
             assert daemon.stop() == 0, daemon.stderr()
-
-
-def _until(what: str, probe: Any) -> Any:
-    """Poll `probe` (bounded) until it answers something true."""
-    deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while True:
-        got = probe()
-        if got:
-            return got
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- tests
@@ -336,7 +323,8 @@ def test_the_daemon_page_shows_export_counts_and_retention_and_an_admin_prunes(
     def shown() -> int:
         return int(page.locator("[data-what=exported] b").inner_text().replace(",", ""))
 
-    exported = _until("spans exported, on the page", lambda: shown() > 0 and shown())
+    exported = eventually(lambda: shown() > 0 and shown(), timeout=TIMEOUT_MS / 1000,
+                          what="spans exported, on the page", interval=0.05)
     with d.client() as c:  # /metrics: the same counter, a moment later
         metrics = c.get("/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith('stepd_otel_export{what="exported"}'))

@@ -7,7 +7,7 @@
 // and makes no call (a refused call would be audited every poll).
 
 import {api, ApiError} from "./api.js";
-import {h, fill, table} from "./dom.js";
+import {h, fill, table, statusBanner} from "./dom.js";
 import {duration, num} from "./format.js";
 
 const MAX_CHILDREN = 50;
@@ -34,7 +34,7 @@ function flatten(node, depth, rows, filter) {
 export function mount(view, params, ctx) {
   const admin = ctx.session.role === "admin";
   const state = {armed: null, armedAt: 0, sig: "", tree: null, filter: params.get("path") || ""};
-  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const {el: banner, say} = statusBanner();
   const filter = h("input", {type: "search", placeholder: "filter by path (/runs/r_…)", value: state.filter,
     autocomplete: "off", spellcheck: "false", "aria-label": "filter actors by path"});
   const slot = h("div");
@@ -53,11 +53,6 @@ export function mount(view, params, ctx) {
 
   filter.addEventListener("input", () => { state.filter = filter.value.trim(); state.sig = ""; render(); });
 
-  function say(kind, ...text) {
-    banner.hidden = false;
-    banner.className = `banner ${kind}`;
-    fill(banner, ...text);
-  }
 
   async function kill(path, button) {
     button.disabled = true;

@@ -31,6 +31,12 @@ export class ApiError extends Error {
   }
 }
 
+/** Why an action was refused, as text parts for a banner: "<what> refused: <field>: <message>". */
+export function refusal(what, err) {
+  return [`${what} refused: `, err instanceof ApiError && err.field ? `${err.field}: ` : "",
+    err instanceof ApiError ? err.message : String(err)];
+}
+
 /**
  * Call the API: api("/runs", {query: {...}}), api("/actors/kill", {method: "POST", body}).
  * `path` is built by callers with encodeURIComponent for every id.

@@ -7,8 +7,8 @@
 // An admin key also gets Prune (POST /v1/api/runs/prune: finished runs that
 // ended before a time), armed on the first click as the actors' Kill is.
 
-import {api, ApiError} from "./api.js";
-import {h, fill, link, facts, section} from "./dom.js";
+import {api, refusal} from "./api.js";
+import {h, fill, link, facts, section, statusBanner} from "./dom.js";
 import {duration, num, toMs, localInput, STATUSES} from "./format.js";
 
 const ARM_MS = 5000;
@@ -104,8 +104,7 @@ function pruneCard(ctx, say, after) {
         (answer.more ? "; more are left: prune again." : "."));
     } catch (err) {
       if (ctx.failed(err)) return;
-      say("bad", "Prune refused: ", err instanceof ApiError && err.field ? `${err.field}: ` : "",
-        err instanceof ApiError ? err.message : String(err));
+      say("bad", ...refusal("Prune", err));
     } finally {
       button.disabled = false;
       await after();
@@ -118,13 +117,8 @@ function pruneCard(ctx, say, after) {
 export function mount(view, params, ctx) {
   const admin = ctx.session.role === "admin";
   let sig = "";
-  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const {el: banner, say} = statusBanner();
   const slot = h("div");
-  const say = (kind, ...text) => {
-    banner.hidden = false;
-    banner.className = `banner ${kind}`;
-    fill(banner, ...text);
-  };
   const prune = admin ? pruneCard(ctx, say, async () => { sig = ""; await refresh().catch(() => {}); }) : null;
   fill(view, h("div", {class: "page-head"}, h("h1", null, "Daemon")), banner, slot, prune);
 

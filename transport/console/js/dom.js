@@ -9,6 +9,15 @@
 // browser refuse them should any code try.
 
 /**
+ * A page's status banner for the answers to its actions: `el` goes in the
+ * page, `say(kind, ...text)` shows it ("ok" or "bad", text parts as `fill`).
+ */
+export function statusBanner() {
+  const el = h("div", {class: "banner", role: "status", hidden: true});
+  return {el, say(kind, ...text) { el.hidden = false; el.className = `banner ${kind}`; fill(el, ...text); }};
+}
+
+/**
  * A new element: h("td", {class: "mono", title: id}, "text", child, [more]).
  *
  * Property keys are the console's own (never data). Values are data:

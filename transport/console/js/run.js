@@ -14,8 +14,8 @@
 // completed step (POST .../fork, then the new run opens), Cancel a running
 // one with a reason (POST .../cancel). Every answer or refusal is shown.
 
-import {api, ApiError} from "./api.js";
-import {h, fill, link, badge, facts, section, jsonBlock, table} from "./dom.js";
+import {api, ApiError, refusal} from "./api.js";
+import {h, fill, link, badge, facts, section, jsonBlock, table, statusBanner} from "./dom.js";
 import {duration, time, toMs, num, usd, inline, clock, TERMINAL} from "./format.js";
 import {buildTrace, renderTrace} from "./trace.js";
 
@@ -177,23 +177,16 @@ export function mount(view, params, ctx) {
   const admin = ctx.session.role === "admin";
   const state = {updated: null, exp: null, open: new Set(), sig: "", actSig: "", armed: 0};
   const head = h("div");
-  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const {el: banner, say} = statusBanner();
   const actionsSlot = h("div");
   const body = h("div");
   const traceSlot = h("div");
   fill(view, h("nav", {class: "crumbs"}, link(["runs"], null, "Runs"), " / ", h("span", {class: "mono"}, runId)),
     head, banner, actionsSlot, body);
 
-  function say(kind, ...text) {
-    banner.hidden = false;
-    banner.className = `banner ${kind}`;
-    fill(banner, ...text);
-  }
 
   function refused(what, err) {
-    if (ctx.failed(err)) return;
-    say("bad", `${what} refused: `, err instanceof ApiError && err.field ? `${err.field}: ` : "",
-      err instanceof ApiError ? err.message : String(err));
+    if (!ctx.failed(err)) say("bad", ...refusal(what, err));
   }
 
   async function reload() {

@@ -8,8 +8,8 @@
 // are read again only when the schedule started a new run or one of them was
 // not over yet: a quiet schedule costs its page nothing per poll.
 
-import {api, ApiError} from "./api.js";
-import {h, fill, link, badge, table} from "./dom.js";
+import {api, ApiError, refusal} from "./api.js";
+import {h, fill, link, badge, table, statusBanner} from "./dom.js";
 import {ago, time, toMs, num, duration, TERMINAL} from "./format.js";
 
 const PAGE = 1000;
@@ -32,7 +32,7 @@ export function mount(view, params, ctx) {
   const admin = ctx.session.role === "admin";
   const state = {list: null, cursor: null, runs: new Map(), armed: null, armedAt: 0, sig: "", names: []};
   const note = h("span", {class: "note"});
-  const banner = h("div", {class: "banner", role: "status", hidden: true});
+  const {el: banner, say} = statusBanner();
   const formSlot = h("div");
   const slot = h("div");
   fill(view, h("div", {class: "page-head"}, h("h1", null, "Schedules"), note),
@@ -40,16 +40,9 @@ export function mount(view, params, ctx) {
       admin ? "Pausing stops the fires until resumed; resuming does not catch up the paused time." : "A read key sees no actions."),
     banner, formSlot, h("section", {class: "card flush"}, slot));
 
-  function say(kind, ...text) {
-    banner.hidden = false;
-    banner.className = `banner ${kind}`;
-    fill(banner, ...text);
-  }
 
   function refused(what, err) {
-    if (ctx.failed(err)) return;
-    say("bad", `${what} refused: `, err instanceof ApiError && err.field ? `${err.field}: ` : "",
-      err instanceof ApiError ? err.message : String(err));
+    if (!ctx.failed(err)) say("bad", ...refusal(what, err));
   }
 
   // ------------------------------------------------------------------ create
