@@ -338,13 +338,11 @@ class InProcDaemon:
         return self.portal.call(fn, *args)
 
 
-@pytest.fixture(scope="module")
-def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDaemon]:
+def serve_in_process(data: Path, **config: Any) -> Iterator[InProcDaemon]:
+    """`stepd serve` on a portal thread of this process, stopped (exit 0) when done."""
     from stepd.daemon import ServeConfig, Server
 
-    config = ServeConfig(data=str(tmp_path_factory.mktemp("inproc") / "data"), port=0,
-                         max_request_ms=2000)
-    daemon = Server(config, announce=lambda line: None)
+    daemon = Server(ServeConfig(data=str(data), port=0, **config), announce=lambda line: None)
     with anyio.from_thread.start_blocking_portal("asyncio") as portal:
         future, _ = portal.start_task(daemon.run)
         try:
@@ -353,3 +351,8 @@ def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDaemon]:
         finally:
             portal.call(daemon.request_stop)
             assert future.result(timeout=STOP_TIMEOUT_S) == 0
+
+
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDaemon]:
+    yield from serve_in_process(tmp_path_factory.mktemp("inproc") / "data", max_request_ms=2000)

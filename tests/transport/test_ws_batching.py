@@ -25,7 +25,7 @@ from stepd.channels._wsproto import open_socket
 from stepd.transport._uvicorn import WebSocketProtocol
 from stepd.transport.websocket import WorkerConnection
 
-from .conftest import STOP_TIMEOUT_S, InProcDaemon, task_def, unique
+from .conftest import InProcDaemon, serve_in_process, task_def, unique
 from .test_ws_backpressure import RawWs
 
 N = 16
@@ -199,20 +199,10 @@ def stock_uvicorn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcDa
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     import stepd.daemon
-    from stepd.daemon import ServeConfig, Server
 
-    data = Path(tmp_path_factory.mktemp("stock")) / "data"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stepd.daemon, "WebSocketProtocol", WebSocketsSansIOProtocol)
-        daemon = Server(ServeConfig(data=str(data), port=0), announce=lambda line: None)
-        with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-            future, _ = portal.start_task(daemon.run)
-            try:
-                assert daemon.url is not None
-                yield InProcDaemon(daemon.url, daemon, portal)
-            finally:
-                portal.call(daemon.request_stop)
-                assert future.result(timeout=STOP_TIMEOUT_S) == 0
+        yield from serve_in_process(Path(tmp_path_factory.mktemp("stock")) / "data")
 
 
 def test_under_another_asgi_server_frames_come_through_receive(stock_uvicorn: InProcDaemon,
