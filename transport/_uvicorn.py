@@ -31,13 +31,116 @@ except ImportError:  # pragma: no cover - websockets ships its C speedups on CPy
 
 from ._json import encode_json
 
-__all__ = ["LINGER_S", "WIRE_EXTENSION", "FrameSink", "HttpProtocol", "WebSocketProtocol",
-           "http_protocol"]
+__all__ = ["EXCHANGE_EXTENSION", "LINGER_S", "WIRE_EXTENSION", "FrameSink", "HttpExchange",
+           "HttpProtocol", "WebSocketProtocol", "http_protocol"]
 
 WIRE_EXTENSION = "stepd.wire"
 """The ASGI scope extension naming the `WebSocketProtocol` under a WebSocket
 (``scope["extensions"]["stepd.wire"]["protocol"]``): the app reads and writes
 frames through it directly (`WebSocketProtocol.attach`, `send_frames`)."""
+
+
+EXCHANGE_EXTENSION = "stepd.http"
+"""The ASGI scope extension of an HTTP request served by `HttpProtocol`
+(``scope["extensions"]["stepd.http"]``): its `HttpExchange`."""
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class HttpExchange:
+    """One request under `HttpProtocol`, for the app to use instead of ASGI's messages.
+
+    Why: ASGI costs a request three awaited messages (the body, the response
+    head, the response body) and, for a long-poll, a second task that waits
+    for ``http.disconnect``; under uvicorn each message is a dict, a method
+    and its checks. The worker's claims and lease calls are most of what the
+    daemon serves over HTTP, so they read the body the parser already holds,
+    send the whole answer in one write, and are told of a disconnect by the
+    protocol itself (`client_gone`, which cancels ``watch``). What the app
+    does through ASGI keeps working alongside (a body still streaming, the
+    console's files): `HttpExchange` only changes the cycle's state the way
+    uvicorn's ``receive`` and ``send`` would.
+
+    Attributes:
+        cycle: uvicorn's request-response cycle of this request.
+        gone: the client disconnected (or the request's deadline passed).
+        watch: cancelled by `client_gone` (the app sets it around a long-poll).
+    """
+
+    __slots__ = ("cycle", "gone", "watch")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+        self.gone = False
+        self.watch: _Cancellable | None = None
+
+    def client_gone(self) -> None:
+        """The answer can no longer be sent: cancel what the app waits for."""
+        self.gone = True
+        watch = self.watch
+        if watch is not None:
+            watch.cancel()
+
+    def take_body(self) -> bytes | None:
+        """The whole request body when all of it has arrived and none was read yet, else
+        None (stream it with ASGI's ``receive``). Taken once: the cycle's buffer empties."""
+        cycle = self.cycle
+        if cycle.more_body or cycle.disconnected or cycle.response_complete:
+            return None
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        return body
+
+    async def respond(self, status: int, head: bytes, body: bytes, *, close: bool = False) -> None:
+        """Send the whole answer in one write: the status line, ``head`` (header lines,
+        each ending in CRLF; uvicorn's default headers and ``content-length`` are added
+        here), and ``body``. What uvicorn's ``send`` does for a response with a
+        ``Content-Length``, in one call: a client that went away gets nothing.
+
+        Raises:
+            RuntimeError: the response has already begun.
+        """
+        cycle = self.cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return
+        if cycle.response_started:
+            raise RuntimeError("the response has already begun")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        keep_alive = cycle.keep_alive and not close
+        parts = [STATUS_LINE[status], _default_head(cycle.default_headers), head,
+                 b"content-length: %d\r\n" % len(body)]
+        if not keep_alive:
+            cycle.keep_alive = False
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        if cycle.scope["method"] != "HEAD":
+            parts.append(body)
+        transport = cycle.transport
+        transport.write(b"".join(parts))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not keep_alive:
+            transport.close()
+        cycle.on_response()
+
+
+_default_heads: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
+
+
+def _default_head(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """uvicorn's default headers (``date``) as header lines: rendered once per list
+    (the server replaces the list when the second turns)."""
+    global _default_heads
+    seen, rendered = _default_heads
+    if headers is not seen:
+        rendered = b"".join([b"%s: %s\r\n" % (name.lower(), value) for name, value in headers])
+        _default_heads = (headers, rendered)
+    return rendered
 
 
 LINGER_S = 2.0
@@ -116,6 +219,10 @@ class HttpProtocol(HttpToolsProtocol):
         if running is not None and not running.response_complete:
             running.disconnected = True  # its receive() says http.disconnect, its send() returns
             running.message_event.set()
+            exchange = cast(dict[str, Any], running.scope).get("extensions", {}).get(
+                EXCHANGE_EXTENSION)
+            if exchange is not None:
+                exchange.client_gone()
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's, with the refusals of a head over the limits.
@@ -176,7 +283,11 @@ class HttpProtocol(HttpToolsProtocol):
         if len(self.headers) > self.max_headers:
             self._refused = 431
             raise _HeadTooLarge
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a request (not an upgrade): its task runs after this
+            extensions: dict[str, Any] = {EXCHANGE_EXTENSION: HttpExchange(self.cycle)}
+            cast(dict[str, Any], self.scope)["extensions"] = extensions
 
     def on_response_complete(self) -> None:
         self._pending -= 1
