@@ -230,7 +230,9 @@ def worker_http(url: str, key: str | None, timeout: float,
     if wants_httpx(url, trust_env):
         return httpx.AsyncClient(base_url=url, headers=headers(key), timeout=timeout,
                                  trust_env=trust_env, http1=True, http2=False)
-    return Http1Client(url, headers(key))
+    # No ``accept``: the daemon answers JSON whatever it says, and each header is a
+    # parser callback on the daemon's side of every claim and lease call.
+    return Http1Client(url, {k: v for k, v in headers(key).items() if k != "accept"})
 
 
 # --------------------------------------------------------------------------- the worker
