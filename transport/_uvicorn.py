@@ -170,11 +170,12 @@ class HttpProtocol(HttpToolsProtocol):
       abort when the client does not read the answer. Cost per request: a
       clock read and a few attribute writes; no timer is armed.
     * **Bounded heads.** At most ``max_head_bytes`` of request line (414) and
-      headers (431), at most ``max_headers`` header fields (431). Bytes are
-      counted per header httptools reports (a name and value), and per chunk
-      received while a head is incomplete (so a header that never ends is
-      bounded too); the fields are counted once the head is complete (their
-      bytes bound them meanwhile).
+      headers (431), at most ``max_headers`` header fields (431). The request
+      line is counted as httptools reports it; the headers' names and values,
+      and their number, once the head is complete (all at once: one call per
+      header, not five); and while a head is incomplete, every chunk received
+      that leaves it so (a header that never ends is refused once those pass
+      the limit: what is held meanwhile is bounded by them and one read).
 
     The limits are class attributes: `http_protocol` makes a subclass per
     daemon.
@@ -190,6 +191,7 @@ class HttpProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_size = 0  # bytes of request line and headers httptools reported
         self._head_chunks = 0  # bytes of the chunks received inside a head not complete yet
+        self._raw_head: list[bytes] = []  # the head's names and values (`on_header`)
         self._pending = 0  # requests begun (a first byte arrived) and not answered in full
         self._refused = 0  # the status a refusal answered; from then on input is dropped
         self._linger: asyncio.TimerHandle | None = None
@@ -229,7 +231,6 @@ class HttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # lingering after a refusal: what the client still sends is dropped
         self._unset_keepalive_if_required()
-        in_head = self._in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -246,7 +247,7 @@ class HttpProtocol(HttpToolsProtocol):
             self.logger.warning(msg)
             self.send_400_response(msg)
             return
-        if in_head and self._in_head:  # the whole chunk is part of a head still incomplete
+        if self._in_head:  # a head still incomplete: its bytes so far are bounded by chunks
             self._head_chunks += len(data)
             if self._head_chunks > self.max_head_bytes:
                 self._refused = 431
@@ -258,6 +259,7 @@ class HttpProtocol(HttpToolsProtocol):
             self.deadline = self.loop.time() + self.max_request_s
         self._in_head = True
         self._head_size = self._head_chunks = 0
+        self._raw_head = []
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -268,21 +270,29 @@ class HttpProtocol(HttpToolsProtocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, with the size.
-        self._head_size += len(name) + len(value)
-        if self._head_size > self.max_head_bytes:
-            self._refused = 431
-            raise _HeadTooLarge
-        name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+        # Names and values as they came; `on_headers_complete` sizes and lowers them
+        # all at once (a call per header here instead of five).
+        self._raw_head += (name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if len(self.headers) > self.max_headers:
+        raw = self._raw_head
+        self._raw_head = []
+        self._head_size += sum(map(len, raw))
+        if self._head_size > self.max_head_bytes:
             self._refused = 431
             raise _HeadTooLarge
+        if len(raw) > 2 * self.max_headers:
+            self._refused = 431
+            raise _HeadTooLarge
+        if raw:
+            # A header name is a token (no NUL): one lower() for all of them.
+            names = b"\0".join(raw[0::2]).lower().split(b"\0")
+            self.headers.extend(zip(names, raw[1::2], strict=True))
+            if b"expect" in names:
+                for name, value in self.headers:
+                    if name == b"expect" and value.lower() == b"100-continue":
+                        self.expect_100_continue = True
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a request (not an upgrade): its task runs after this
