@@ -85,20 +85,23 @@ def _check_strings(value: Any) -> None:
 _PLAIN_SCAN: Final[Any] = json.JSONDecoder(  # type: ignore[attr-defined]
     parse_constant=_refuse_constant).scan_once
 """The C scanner with no Python hook but the one for ``NaN``/``Infinity``: for a
-document in which no number can fall out of range (`_RISKY_NUMBER`)."""
+document in which no number can fall out of range (`_LONG_RUN`, `_EXPONENT`)."""
 
-#: What a number out of range needs: 19 digits in a row (an integer past 10**18 - 1),
-#: or an exponent of three digits or more (a double overflowing to infinity; a
-#: mantissa of 309 digits holds 19 in a row). A document without either is parsed
-#: by `_PLAIN_SCAN`, with no call per number.
-_RISKY_NUMBER: Final = re.compile(rb"[0-9]{19}|[eE][+-]?[0-9]{3}")
+#: An integer out of range has 19 digits in a row (10**18 - 1 is below 2**63): a
+#: document with such a run anywhere (in a string too) takes the general path.
+_LONG_RUN: Final = re.compile(rb"[0-9]{19}")
+#: A double overflows to infinity only with an exponent of three digits or more (a
+#: mantissa of 309 digits holds 19 in a row). The pattern also matches inside
+#: strings (``"w_01KBE1234..."``), so a match only asks for a check of the value
+#: parsed (`_C_ENCODE` refuses an infinity), not for the general path.
+_EXPONENT: Final = re.compile(rb"[0-9][eE][+-]?[0-9]{3}")
 
 
 def _scan_plain(data: bytes) -> Any:
     """`decode_json`'s common case in C calls only: a UTF-8 object or array, no number
     that could be out of range, no ``\\u`` escape of a surrogate. Returns `_NOT_PLAIN`
-    for anything else (or any error: the full path says exactly what is wrong)."""
-    if (not data or data[0] not in b"{[" or _RISKY_NUMBER.search(data) is not None
+    for anything else (or any error: the general path says exactly what is wrong)."""
+    if (not data or data[0] not in b"{[" or _LONG_RUN.search(data) is not None
             or b"\\ud" in data or b"\\uD" in data):
         return _NOT_PLAIN
     try:
@@ -107,7 +110,12 @@ def _scan_plain(data: bytes) -> Any:
     except (UnicodeDecodeError, ValueError, StopIteration, RecursionError):
         return _NOT_PLAIN
     if end != len(text) and text[end:].strip(" \t\n\r"):
-        return _NOT_PLAIN  # JSON's whitespace only; anything else is the full path's error
+        return _NOT_PLAIN  # JSON's whitespace only; anything else is the general path's error
+    if _EXPONENT.search(data) is not None and _C_ENCODE is not None:
+        try:
+            _C_ENCODE(value, 0)
+        except (ValueError, RecursionError):
+            return _NOT_PLAIN  # 1e400: infinity, which the general path refuses by name
     return value
 
 

@@ -64,7 +64,8 @@ def test_utf16_is_left_to_the_general_parse() -> None:
 
 
 @pytest.mark.parametrize("data", [b'{"a":1.5e99,"b":[1,2,3],"c":"\xc3\xa9"}\r\n', b'[]',
-                                  b'{"k":"\\ud83d\\ude00"}', b'{"a":999999999999999999}'])
+                                  b'{"k":"\\ud83d\\ude00"}', b'{"a":999999999999999999}',
+                                  b'{"worker_id":"w_01KBE1234XY","x":2e300}'])
 def test_the_c_only_parse_takes_the_common_bodies(data: bytes) -> None:
     expected = json.loads(data)
     assert _decoded(data) == expected
