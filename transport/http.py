@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import parse_qsl
 
 import anyio
@@ -47,7 +47,7 @@ import anyio
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 
 from ._uvicorn import EXCHANGE_EXTENSION, HttpExchange
-from .auth import Forbidden, Unauthorized
+from .auth import Forbidden, Principal, Unauthorized
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import CounterChild
 from .openapi import openapi_bytes
@@ -466,13 +466,78 @@ class HttpApp:
         self._keyless_seen: set[tuple[bytes | None, bytes | None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            await self.sockets(scope, receive, send)
-        elif kind == "lifespan":
-            await _lifespan(receive, send)
+        """A request (a protocol operation inline: every frame of this chain is
+        resumed again whenever the call waits), the worker WebSocket, or the lifespan."""
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await self.sockets(scope, receive, send)
+            elif scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
+        found = route(scope["path"])
+        op = None if found is None else found[1].get(scope["method"])
+        protocol = self.protocol
+        if type(op) is not Operation or protocol.draining:
+            await self._not_an_operation(scope, send, found)
+            return
+        assert found is not None and isinstance(op, Operation)
+        template, target = found[0], found[2]
+        # The operation's reply is made inside the call's tracking scope and sent
+        # after it, so a shutdown that cancels the call never cuts an answer in half.
+        # Under stepd's own protocol (`HttpExchange`) the body is read from the
+        # parser's buffer, the answer leaves in one write, and a long-poll is
+        # cancelled by the disconnect itself.
+        extensions = scope.get("extensions")
+        exchange: HttpExchange | None = (
+            extensions.get(EXCHANGE_EXTENSION) if extensions is not None else None)
+        reply: Reply | None = None
+        close = False
+        gone = False
+        with protocol.tracking() as call:
+            try:
+                prepared = self._prepare(scope, op, exchange)
+                if prepared is None:  # the body is still arriving, or another server
+                    prepared = await self._prepare_streamed(scope, receive, op)
+                if type(prepared) is Reply:
+                    reply = prepared
+                elif isinstance(prepared, (Unauthorized, Forbidden)):
+                    reply = await protocol.refused(op, prepared, target)
+                else:
+                    principal, body, error = cast(_Prepared, prepared)
+                    close = type(error) is TooLarge
+                    query = _query(scope) if scope["query_string"] else {}
+                    if op not in LONG_POLLS or error is not None:
+                        reply = await protocol.handle(op, principal, target=target, query=query,
+                                                      body=body, error=error)
+                    elif exchange is not None:
+                        # A disconnect cancels the call's scope (`HttpExchange.client_gone`).
+                        if exchange.gone:
+                            raise _ClientGone
+                        exchange.watch = call
+                        try:
+                            reply = await protocol.handle(op, principal, target=target,
+                                                          query=query, body=body)
+                        finally:
+                            exchange.watch = None
+                    else:
+                        reply = await _long_poll(protocol, receive, op, principal, target, query,
+                                                 body)
+            except _ClientGone:
+                gone = True
+        if reply is None:
+            if gone or (exchange is not None and exchange.gone):
+                self._count(template, 499)  # the client went away before the answer
+                return
+            # The grace period of a shutdown ran out while this call was in flight.
+            reply, close = error_reply(Unavailable("the daemon is shutting down")), True
+        if exchange is not None:
+            head = _JSON_LINE
+            if reply.headers:
+                head += b"".join([b"%s: %s\r\n" % pair for pair in reply.headers])
+            await exchange.respond(reply.status, head, encode_json(reply.body), close=close)
+        else:
+            await _send_reply(send, reply, close=close)
+        self._count(template, reply.status)
 
     def _count(self, template: str, status: int) -> None:
         """``stepd_http_requests_total{route, status}`` += 1 (the series looked up once)."""
@@ -482,8 +547,72 @@ class HttpApp:
             child = self._counted[key] = self._requests.labels(template, str(status))
         child.inc()
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = route(scope["path"])
+    def _prepare(self, scope: Scope, op: Operation, exchange: HttpExchange | None
+                 ) -> _Prepared | Reply | Unauthorized | Forbidden | None:
+        """The caller and the body of ``op``, without waiting: a refusal's `Reply` (a
+        cross-site request), the refused authorization (`Protocol.refused` audits it),
+        or None when the body must be read as it streams (`_prepare_streamed`)."""
+        protocol = self.protocol
+        host, origin, authorization, declared = _heads(scope)
+        if not protocol.keyring.enabled:
+            seen = self._keyless_seen
+            if (host, origin) not in seen:
+                try:
+                    protocol.check_keyless(None if host is None else host.decode("latin-1"),
+                                           None if origin is None else origin.decode("latin-1"))
+                except CrossSite as exc:
+                    return error_reply(exc)
+                if len(seen) >= _KEYLESS_SEEN_MAX:
+                    seen.clear()
+                seen.add((host, origin))
+        try:
+            principal = protocol.authorize(
+                op, None if authorization is None else authorization.decode("latin-1"))
+        except (Unauthorized, Forbidden) as exc:
+            return exc
+        if SPECS[op].body == "none":
+            return principal, NO_BODY, None
+        if exchange is None:
+            return None
+        try:
+            limit = protocol.max_body_bytes
+            _check_length(declared, limit)
+            raw = exchange.take_body()
+            if raw is None:
+                return None
+            if len(raw) > limit:
+                raise TooLarge(f"the body is over the limit of {limit} bytes")
+            return principal, decode_json(raw) if raw and not raw.isspace() else NO_BODY, None
+        except (TooLarge, Invalid) as exc:
+            return principal, NO_BODY, exc
+
+    async def _prepare_streamed(self, scope: Scope, receive: Receive, op: Operation
+                                ) -> _Prepared | Reply | Unauthorized | Forbidden:
+        """`_prepare`, reading the body through ASGI's ``receive``.
+
+        Raises:
+            _ClientGone: the client disconnected meanwhile.
+        """
+        protocol = self.protocol
+        host, origin, authorization, declared = _heads(scope)
+        try:
+            protocol.check_keyless(None if host is None else host.decode("latin-1"),
+                                   None if origin is None else origin.decode("latin-1"))
+        except CrossSite as exc:
+            return error_reply(exc)
+        try:
+            principal = protocol.authorize(
+                op, None if authorization is None else authorization.decode("latin-1"))
+        except (Unauthorized, Forbidden) as exc:
+            return exc
+        try:
+            raw = await _read_body(scope, receive, protocol.max_body_bytes, declared)
+            return principal, decode_json(raw) if raw and not raw.isspace() else NO_BODY, None
+        except (TooLarge, Invalid) as exc:
+            return principal, NO_BODY, exc
+
+    async def _not_an_operation(self, scope: Scope, send: Send, found: Route | None) -> None:
+        """404, 405, 503 while draining, and the endpoints that are not protocol operations."""
         if found is None:
             await _send_reply(send, error_reply(NotFound(f"no such endpoint: {scope['path']}")))
             self._count("unmatched", 404)
@@ -502,15 +631,7 @@ class HttpApp:
             status = await self._answer(send, error_reply(Unavailable("the daemon is shutting down")))
             self._count(template, status)
             return
-        if isinstance(handler, _Special):
-            await self._special(scope, send, handler, template, target)
-        else:
-            await self._operation(scope, receive, send, handler, template, target)
-
-    async def _special(self, scope: Scope, send: Send, handler: _Special, template: str,
-                       target: str | None) -> None:
-        """Health, metrics, the document, the console: ASGI messages, as any app sends them."""
-        protocol = self.protocol
+        assert isinstance(handler, _Special)
         started: list[bool] = []
 
         async def tracked_send(message: Message) -> None:
@@ -554,103 +675,27 @@ class HttpApp:
         await _send(send, 426, encode_json(upgrade), [_JSON, (b"upgrade", b"websocket")])
         return 426
 
-    async def _operation(self, scope: Scope, receive: Receive, send: Send, op: Operation,
-                         template: str, target: str | None) -> None:
-        """One protocol operation: its reply is made inside the call's tracking scope
-        and sent after it, so a shutdown that cancels the call never cuts an answer
-        in half. Under stepd's own protocol (`HttpExchange`) the body is read from
-        the parser's buffer, the answer leaves in one write, and a long-poll is
-        cancelled by the disconnect itself."""
-        protocol = self.protocol
-        extensions = scope.get("extensions")
-        exchange: HttpExchange | None = (
-            extensions.get(EXCHANGE_EXTENSION) if extensions is not None else None)
-        reply: Reply | None = None
-        close = False
-        gone = False
-        with protocol.tracking() as call:
-            try:
-                reply, close = await self._run(scope, receive, op, target, exchange, call)
-            except _ClientGone:
-                gone = True
-        if reply is None:
-            if gone or (exchange is not None and exchange.gone):
-                self._count(template, 499)  # the client went away before the answer
-                return
-            # The grace period of a shutdown ran out while this call was in flight.
-            reply, close = error_reply(Unavailable("the daemon is shutting down")), True
-        if exchange is not None:
-            head = _JSON_LINE
-            if reply.headers:
-                head += b"".join([b"%s: %s\r\n" % pair for pair in reply.headers])
-            await exchange.respond(reply.status, head, encode_json(reply.body), close=close)
-        else:
-            await _send_reply(send, reply, close=close)
-        self._count(template, reply.status)
 
-    async def _run(self, scope: Scope, receive: Receive, op: Operation, target: str | None,
-                   exchange: HttpExchange | None, call: anyio.CancelScope
-                   ) -> tuple[Reply, bool]:
-        """The reply to ``op``, and whether the connection closes after it (a 413)."""
-        protocol = self.protocol
-        host, origin, authorization, declared = _heads(scope)
-        if not protocol.keyring.enabled:
-            seen = self._keyless_seen
-            if (host, origin) not in seen:
-                try:
-                    protocol.check_keyless(None if host is None else host.decode("latin-1"),
-                                           None if origin is None else origin.decode("latin-1"))
-                except CrossSite as exc:
-                    return error_reply(exc), False
-                if len(seen) >= _KEYLESS_SEEN_MAX:
-                    seen.clear()
-                seen.add((host, origin))
-        try:
-            principal = protocol.authorize(
-                op, None if authorization is None else authorization.decode("latin-1"))
-        except (Unauthorized, Forbidden) as exc:
-            return await protocol.refused(op, exc, target), False
+_Prepared = tuple[Principal, Any, StepdError | None]
+"""What a call needs besides its path: the caller, the body (or `NO_BODY`), and the
+refusal found while reading it (413, malformed JSON), which `Protocol.call` records."""
 
-        body: Any = NO_BODY
-        error: StepdError | None = None
-        if SPECS[op].body != "none":
-            try:
-                raw = None
-                if exchange is not None:
-                    _check_length(declared, protocol.max_body_bytes)
-                    raw = exchange.take_body()
-                    if raw is not None and len(raw) > protocol.max_body_bytes:
-                        raise TooLarge("the body is over the limit of "
-                                       f"{protocol.max_body_bytes} bytes")
-                if raw is None:
-                    raw = await _read_body(scope, receive, protocol.max_body_bytes, declared)
-                if raw and not raw.isspace():
-                    body = decode_json(raw)
-            except (TooLarge, Invalid) as exc:
-                error = exc
-        query = _query(scope) if scope["query_string"] else {}
-        close = isinstance(error, TooLarge)
-        if op not in LONG_POLLS or error is not None:
-            return await protocol.handle(op, principal, target=target, query=query, body=body,
-                                         error=error), close
-        if exchange is not None:
-            # A disconnect cancels the call's scope (`HttpExchange.client_gone`).
-            if exchange.gone:
-                raise _ClientGone
-            exchange.watch = call
-            try:
-                return await protocol.handle(op, principal, target=target, query=query,
-                                             body=body), close
-            finally:
-                exchange.watch = None
 
-        async def run() -> Reply:
-            return await protocol.handle(op, principal, target=target, query=query, body=body)
+async def _long_poll(protocol: Protocol, receive: Receive, op: Operation, principal: Principal,
+                     target: str | None, query: dict[str, str], body: Any) -> Reply:
+    """A long-poll under another server: cancelled when ``receive`` says the client left.
 
-        reply = await _until_disconnect(receive, run)
-        if reply is None:
-            raise _ClientGone
-        return reply, close
+    Raises:
+        _ClientGone: it did.
+    """
+
+    async def run() -> Reply:
+        return await protocol.handle(op, principal, target=target, query=query, body=body)
+
+    reply = await _until_disconnect(receive, run)
+    if reply is None:
+        raise _ClientGone
+    return reply
 
 
 def _query(scope: Scope) -> dict[str, str]:
