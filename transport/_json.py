@@ -85,24 +85,26 @@ def _check_strings(value: Any) -> None:
 _PLAIN_SCAN: Final[Any] = json.JSONDecoder(  # type: ignore[attr-defined]
     parse_constant=_refuse_constant).scan_once
 """The C scanner with no Python hook but the one for ``NaN``/``Infinity``: for a
-document in which no number can fall out of range (`_LONG_RUN`, `_EXPONENT`)."""
+document in which no number can fall out of range (`_LONG_RUN`, `_RISKY`)."""
 
 #: An integer out of range has 19 digits in a row (10**18 - 1 is below 2**63): a
 #: document with such a run anywhere (in a string too) takes the general path.
 _LONG_RUN: Final = re.compile(rb"[0-9]{19}")
-#: A double overflows to infinity only with an exponent of three digits or more (a
-#: mantissa of 309 digits holds 19 in a row). The pattern also matches inside
-#: strings (``"w_01KBE1234..."``), so a match only asks for a check of the value
-#: parsed (`_C_ENCODE` refuses an infinity), not for the general path.
-_EXPONENT: Final = re.compile(rb"[0-9][eE][+-]?[0-9]{3}")
+#: Either that, or what a double overflowing to infinity needs: an exponent of three
+#: digits or more (a mantissa of 309 digits holds 19 in a row). An exponent-like run
+#: also matches inside strings (``"w_01KBE1234..."``), so it only asks for a check of
+#: the value parsed (`_C_ENCODE` refuses an infinity), not for the general path.
+_RISKY: Final = re.compile(rb"[0-9]{19}|[0-9][eE][+-]?[0-9]{3}")
 
 
 def _scan_plain(data: bytes) -> Any:
     """`decode_json`'s common case in C calls only: a UTF-8 object or array, no number
     that could be out of range, no ``\\u`` escape of a surrogate. Returns `_NOT_PLAIN`
     for anything else (or any error: the general path says exactly what is wrong)."""
-    if (not data or data[0] not in b"{[" or _LONG_RUN.search(data) is not None
-            or b"\\ud" in data or b"\\uD" in data):
+    if not data or data[0] not in b"{[" or b"\\ud" in data or b"\\uD" in data:
+        return _NOT_PLAIN
+    risky = _RISKY.search(data) is not None  # one scan for both, in the common case
+    if risky and _LONG_RUN.search(data) is not None:
         return _NOT_PLAIN
     try:
         text = data.decode()
@@ -111,7 +113,7 @@ def _scan_plain(data: bytes) -> Any:
         return _NOT_PLAIN
     if end != len(text) and text[end:].strip(" \t\n\r"):
         return _NOT_PLAIN  # JSON's whitespace only; anything else is the general path's error
-    if _EXPONENT.search(data) is not None and _C_ENCODE is not None:
+    if risky and _C_ENCODE is not None:
         try:
             _C_ENCODE(value, 0)
         except (ValueError, RecursionError):

@@ -112,8 +112,11 @@ class HttpExchange:
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         keep_alive = cycle.keep_alive and not close
-        parts = [STATUS_LINE[status], _default_head(cycle.default_headers), head,
-                 b"content-length: %d\r\n" % len(body)]
+        defaults = cycle.default_headers
+        seen, rendered = _default_heads
+        if defaults is not seen:
+            rendered = _default_head(defaults)
+        parts = [STATUS_LINE[status], rendered, head, b"content-length: %d\r\n" % len(body)]
         if not keep_alive:
             cycle.keep_alive = False
             parts.append(b"connection: close\r\n")
@@ -123,7 +126,9 @@ class HttpExchange:
         transport = cycle.transport
         transport.write(b"".join(parts))
         cycle.response_complete = True
-        cycle.message_event.set()
+        event = cycle.message_event
+        if event._waiters:  # an ASGI receive() waits on it
+            event.set()
         if not keep_alive:
             transport.close()
         cycle.on_response()
@@ -134,12 +139,11 @@ _default_heads: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
 
 def _default_head(headers: list[tuple[bytes, bytes]]) -> bytes:
     """uvicorn's default headers (``date``) as header lines: rendered once per list
-    (the server replaces the list when the second turns)."""
+    (the server replaces the list when the second turns; `HttpExchange.respond`
+    asks only then)."""
     global _default_heads
-    seen, rendered = _default_heads
-    if headers is not seen:
-        rendered = b"".join([b"%s: %s\r\n" % (name.lower(), value) for name, value in headers])
-        _default_heads = (headers, rendered)
+    rendered = b"".join([b"%s: %s\r\n" % (name.lower(), value) for name, value in headers])
+    _default_heads = (headers, rendered)
     return rendered
 
 

@@ -181,17 +181,17 @@ def route(path: str) -> Route | None:
     static = _STATIC.get(path)
     if static is not None:
         return static[0], static[1], None
+    if path.startswith("/v1/api/steps/"):  # first: a worker's lease calls
+        lease, _, name = path[14:].rpartition("/")
+        if lease and "/" not in lease:
+            found = _LEASE_ROUTES.get(name)
+            if found is not None:
+                return found[0], found[1], lease
+        return None
     if path.startswith("/ui/"):
         return _UI_ROUTE[0], _UI_ROUTE[1], path[4:] or "index.html"
     if path == "/ui":
         return _UI_REDIRECT_ROUTE[0], _UI_REDIRECT_ROUTE[1], None
-    if path.startswith("/v1/api/steps/"):
-        parts = path[len("/v1/api/steps/"):].split("/")
-        if len(parts) == 2 and parts[0]:
-            found = _LEASE_ROUTES.get(parts[1])
-            if found is not None:
-                return found[0], found[1], parts[0]
-        return None
     if path.startswith("/v1/api/sessions/"):
         parts = path[len("/v1/api/sessions/"):].split("/")
         if len(parts) == 2 and parts[0]:
