@@ -77,9 +77,16 @@ def _encode(body: Any) -> bytes:
         raise ValueError("a circular reference or a value nested too deeply") from None
 
 
+_SCAN: Any = _DECODER.scan_once  # type: ignore[attr-defined]
+"""The C scanner under `_DECODER.raw_decode` (one C call per answer, not three calls)."""
+
+
 def _decode(content: bytes) -> Any:
     text = content.decode()
-    value, end = _DECODER.raw_decode(text)
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration:
+        return _DECODER.raw_decode(text)[0]  # raises the ValueError that says where
     if end != len(text) and text[end:].strip():
         raise ValueError("extra data after the JSON value")
     return value
