@@ -86,20 +86,20 @@ class Http1Response:
 
 
 class _Parse:
-    """httptools callbacks: collect the body, note the end of the message."""
+    """httptools callbacks: collect the body, note the end of the message.
 
-    __slots__ = ("body", "done", "keep_alive", "parser", "started", "status")
+    No ``on_message_begin``: a callback per answer for nothing; the head is known
+    complete once ``status`` is set (`MAX_HEAD_BYTES` bounds what arrives before).
+    """
+
+    __slots__ = ("body", "done", "keep_alive", "parser", "status")
 
     def __init__(self) -> None:
         self.body: list[bytes] = []
         self.done = False
-        self.started = False
         self.status = 0
         self.keep_alive = False
         self.parser: Any = None
-
-    def on_message_begin(self) -> None:
-        self.started = True
 
     def on_headers_complete(self) -> None:
         # Read here: after the message the parser has reset for the next one.
@@ -161,7 +161,7 @@ class _AioConn(asyncio.Protocol):
             self.future = None
             if not future.done():
                 future.set_result(None)
-        elif not parse.started and self.got > MAX_HEAD_BYTES:
+        elif not parse.status and self.got > MAX_HEAD_BYTES:
             self.future = None
             if not future.done():
                 future.set_exception(Http1Error("the answer's head is too large"))
@@ -279,7 +279,12 @@ class Http1Client:
         self._aio_busy += 1
         expiry = None if timeout == math.inf else loop.time() + timeout
         try:
-            conn, reused = await self._aio_checkout(loop, expiry)
+            # A kept-alive connection without awaiting a checkout (the common case).
+            idle = self._aio_idle_conn(loop) if self._aio_idle else None
+            if idle is not None:
+                conn, reused = idle, True
+            else:
+                conn, reused = await self._aio_checkout(loop, expiry, fresh=True)
             try:
                 return await self._aio_exchange(loop, conn, data, expiry)
             except _NothingBack:
@@ -302,16 +307,23 @@ class Http1Client:
                     waiter.set_result(None)
                     break
 
+    def _aio_idle_conn(self, loop: asyncio.AbstractEventLoop) -> _AioConn | None:
+        """The most recently used idle connection still fresh (older ones are closed)."""
+        now = loop.time()
+        idle = self._aio_idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_EXPIRY_S:
+                return conn
+            conn.close()
+        return None
+
     async def _aio_checkout(self, loop: asyncio.AbstractEventLoop, expiry: float | None, *,
                             fresh: bool = False) -> tuple[_AioConn, bool]:
         if not fresh:
-            now = loop.time()
-            idle = self._aio_idle
-            while idle:
-                conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < IDLE_EXPIRY_S:
-                    return conn, True
-                conn.close()
+            kept = self._aio_idle_conn(loop)
+            if kept is not None:
+                return kept, True
         try:
             connect = loop.create_connection(_AioConn, self.host, self.port)
             if expiry is None:
@@ -376,7 +388,7 @@ class Http1Client:
                     chunk = await conn.stream.receive(_READ_CHUNK)
                     got += len(chunk)
                     parser.feed_data(chunk)
-                    if not parse.started and got > MAX_HEAD_BYTES:
+                    if not parse.status and got > MAX_HEAD_BYTES:
                         raise Http1Error("the answer's head is too large")
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
                     OSError) as exc:

@@ -315,7 +315,7 @@ class Server:
                                  max_headers=config.max_headers)
             server = _Server(uvicorn.Config(
                 app, host=config.host, port=config.port, http=http,
-                ws=WebSocketProtocol, lifespan="off", log_config=None,
+                ws=WebSocketProtocol, lifespan="off", log_config=None, proxy_headers=False,
                 log_level=config.log_level, access_log=False, server_header=False,
                 ws_max_size=config.max_body_bytes + 4096,
                 ws_ping_interval=config.ws_ping_interval_ms / 1000,

@@ -10,6 +10,7 @@ thing.
 from __future__ import annotations
 
 import json
+import json.encoder
 import math
 import re
 from typing import Any, Final
@@ -81,6 +82,48 @@ def _check_strings(value: Any) -> None:
             _check_strings(v)
 
 
+_PLAIN_SCAN: Final[Any] = json.JSONDecoder(  # type: ignore[attr-defined]
+    parse_constant=_refuse_constant).scan_once
+"""The C scanner with no Python hook but the one for ``NaN``/``Infinity``: for a
+document in which no number can fall out of range (`_LONG_RUN`, `_RISKY`)."""
+
+#: An integer out of range has 19 digits in a row (10**18 - 1 is below 2**63): a
+#: document with such a run anywhere (in a string too) takes the general path.
+_LONG_RUN: Final = re.compile(rb"[0-9]{19}")
+#: Either that, or what a double overflowing to infinity needs: an exponent of three
+#: digits or more (a mantissa of 309 digits holds 19 in a row). An exponent-like run
+#: also matches inside strings (``"w_01KBE1234..."``), so it only asks for a check of
+#: the value parsed (`_C_ENCODE` refuses an infinity), not for the general path.
+_RISKY: Final = re.compile(rb"[0-9]{19}|[0-9][eE][+-]?[0-9]{3}")
+
+
+def _scan_plain(data: bytes) -> Any:
+    """`decode_json`'s common case in C calls only: a UTF-8 object or array, no number
+    that could be out of range, no ``\\u`` escape of a surrogate. Returns `_NOT_PLAIN`
+    for anything else (or any error: the general path says exactly what is wrong)."""
+    if not data or data[0] not in b"{[" or b"\\ud" in data or b"\\uD" in data:
+        return _NOT_PLAIN
+    risky = _RISKY.search(data) is not None  # one scan for both, in the common case
+    if risky and _LONG_RUN.search(data) is not None:
+        return _NOT_PLAIN
+    try:
+        text = data.decode()
+        value, end = _PLAIN_SCAN(text, 0)
+    except (UnicodeDecodeError, ValueError, StopIteration, RecursionError):
+        return _NOT_PLAIN
+    if end != len(text) and text[end:].strip(" \t\n\r"):
+        return _NOT_PLAIN  # JSON's whitespace only; anything else is the general path's error
+    if risky and _C_ENCODE is not None:
+        try:
+            _C_ENCODE(value, 0)
+        except (ValueError, RecursionError):
+            return _NOT_PLAIN  # 1e400: infinity, which the general path refuses by name
+    return value
+
+
+_NOT_PLAIN: Final[Any] = object()
+
+
 def decode_json(data: bytes | str) -> Any:
     """Parse a JSON document strictly: no ``NaN``/``Infinity``, no number or
     string the storage could not hold (so a bad value is a 400 here, never a
@@ -89,6 +132,10 @@ def decode_json(data: bytes | str) -> Any:
     Raises:
         Invalid: not UTF-8, not JSON (``field`` None; the message says where).
     """
+    if type(data) is bytes:
+        value = _scan_plain(data)
+        if value is not _NOT_PLAIN:
+            return value
     try:
         value = json.loads(data, parse_constant=_refuse_constant, parse_int=_int_hook(data),
                            parse_float=_finite_float)
@@ -111,9 +158,24 @@ def decode_json(data: bytes | str) -> Any:
 JSON_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
+def _not_json(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE: Final[Any] = None if _c_make_encoder is None else _c_make_encoder(
+    None, _not_json, getattr(json.encoder, "c_encode_basestring", None), None, ":", ",",
+    False, False, False)
+"""`JSON_ENCODER` without its Python layers (``encode`` -> ``iterencode`` -> the C
+encoder): one C call per answer. Without the cycle check: an answer is a fresh tree
+the daemon built (a cycle would be a bug; it surfaces as a RecursionError)."""
+
+
 def encode_json(value: Any) -> bytes:
-    """Encode an answer as compact UTF-8 JSON."""
-    return JSON_ENCODER.encode(value).encode("utf-8")
+    """Encode an answer as compact UTF-8 JSON (``NaN`` and infinities refused)."""
+    if _C_ENCODE is None:  # pragma: no cover - CPython ships the C encoder
+        return JSON_ENCODER.encode(value).encode("utf-8")
+    return "".join(_C_ENCODE(value, 0)).encode("utf-8")
 
 
 def copy_json(value: Any) -> Any:

@@ -31,13 +31,120 @@ except ImportError:  # pragma: no cover - websockets ships its C speedups on CPy
 
 from ._json import encode_json
 
-__all__ = ["LINGER_S", "WIRE_EXTENSION", "FrameSink", "HttpProtocol", "WebSocketProtocol",
-           "http_protocol"]
+__all__ = ["EXCHANGE_EXTENSION", "LINGER_S", "WIRE_EXTENSION", "FrameSink", "HttpExchange",
+           "HttpProtocol", "WebSocketProtocol", "http_protocol"]
 
 WIRE_EXTENSION = "stepd.wire"
 """The ASGI scope extension naming the `WebSocketProtocol` under a WebSocket
 (``scope["extensions"]["stepd.wire"]["protocol"]``): the app reads and writes
 frames through it directly (`WebSocketProtocol.attach`, `send_frames`)."""
+
+
+EXCHANGE_EXTENSION = "stepd.http"
+"""The ASGI scope extension of an HTTP request served by `HttpProtocol`
+(``scope["extensions"]["stepd.http"]``): its `HttpExchange`."""
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class HttpExchange:
+    """One request under `HttpProtocol`, for the app to use instead of ASGI's messages.
+
+    Why: ASGI costs a request three awaited messages (the body, the response
+    head, the response body) and, for a long-poll, a second task that waits
+    for ``http.disconnect``; under uvicorn each message is a dict, a method
+    and its checks. The worker's claims and lease calls are most of what the
+    daemon serves over HTTP, so they read the body the parser already holds,
+    send the whole answer in one write, and are told of a disconnect by the
+    protocol itself (`client_gone`, which cancels ``watch``). What the app
+    does through ASGI keeps working alongside (a body still streaming, the
+    console's files): `HttpExchange` only changes the cycle's state the way
+    uvicorn's ``receive`` and ``send`` would.
+
+    Attributes:
+        cycle: uvicorn's request-response cycle of this request.
+        gone: the client disconnected (or the request's deadline passed).
+        watch: cancelled by `client_gone` (the app sets it around a long-poll).
+    """
+
+    __slots__ = ("cycle", "gone", "watch")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+        self.gone = False
+        self.watch: _Cancellable | None = None
+
+    def client_gone(self) -> None:
+        """The answer can no longer be sent: cancel what the app waits for."""
+        self.gone = True
+        watch = self.watch
+        if watch is not None:
+            watch.cancel()
+
+    def take_body(self) -> bytes | None:
+        """The whole request body when all of it has arrived and none was read yet, else
+        None (stream it with ASGI's ``receive``). Taken once: the cycle's buffer empties."""
+        cycle = self.cycle
+        if cycle.more_body or cycle.disconnected or cycle.response_complete:
+            return None
+        body = bytes(cycle.body)
+        cycle.body = bytearray()
+        return body
+
+    async def respond(self, status: int, head: bytes, body: bytes, *, close: bool = False) -> None:
+        """Send the whole answer in one write: the status line, ``head`` (header lines,
+        each ending in CRLF; uvicorn's default headers and ``content-length`` are added
+        here), and ``body``. What uvicorn's ``send`` does for a response with a
+        ``Content-Length``, in one call: a client that went away gets nothing.
+
+        Raises:
+            RuntimeError: the response has already begun.
+        """
+        cycle = self.cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return
+        if cycle.response_started:
+            raise RuntimeError("the response has already begun")
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        keep_alive = cycle.keep_alive and not close
+        defaults = cycle.default_headers
+        seen, rendered = _default_heads
+        if defaults is not seen:
+            rendered = _default_head(defaults)
+        parts = [STATUS_LINE[status], rendered, head, b"content-length: %d\r\n" % len(body)]
+        if not keep_alive:
+            cycle.keep_alive = False
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        if cycle.scope["method"] != "HEAD":
+            parts.append(body)
+        transport = cycle.transport
+        transport.write(b"".join(parts))
+        cycle.response_complete = True
+        event = cycle.message_event
+        if event._waiters:  # an ASGI receive() waits on it
+            event.set()
+        if not keep_alive:
+            transport.close()
+        cycle.on_response()
+
+
+_default_heads: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
+
+
+def _default_head(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """uvicorn's default headers (``date``) as header lines: rendered once per list
+    (the server replaces the list when the second turns; `HttpExchange.respond`
+    asks only then)."""
+    global _default_heads
+    rendered = b"".join([b"%s: %s\r\n" % (name.lower(), value) for name, value in headers])
+    _default_heads = (headers, rendered)
+    return rendered
 
 
 LINGER_S = 2.0
@@ -67,11 +174,12 @@ class HttpProtocol(HttpToolsProtocol):
       abort when the client does not read the answer. Cost per request: a
       clock read and a few attribute writes; no timer is armed.
     * **Bounded heads.** At most ``max_head_bytes`` of request line (414) and
-      headers (431), at most ``max_headers`` header fields (431). Bytes are
-      counted per header httptools reports (a name and value), and per chunk
-      received while a head is incomplete (so a header that never ends is
-      bounded too); the fields are counted once the head is complete (their
-      bytes bound them meanwhile).
+      headers (431), at most ``max_headers`` header fields (431). The request
+      line is counted as httptools reports it; the headers' names and values,
+      and their number, once the head is complete (all at once: one call per
+      header, not five); and while a head is incomplete, every chunk received
+      that leaves it so (a header that never ends is refused once those pass
+      the limit: what is held meanwhile is bounded by them and one read).
 
     The limits are class attributes: `http_protocol` makes a subclass per
     daemon.
@@ -87,6 +195,7 @@ class HttpProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_size = 0  # bytes of request line and headers httptools reported
         self._head_chunks = 0  # bytes of the chunks received inside a head not complete yet
+        self._raw_head: list[bytes] = []  # the head's names and values (`on_header`)
         self._pending = 0  # requests begun (a first byte arrived) and not answered in full
         self._refused = 0  # the status a refusal answered; from then on input is dropped
         self._linger: asyncio.TimerHandle | None = None
@@ -116,13 +225,16 @@ class HttpProtocol(HttpToolsProtocol):
         if running is not None and not running.response_complete:
             running.disconnected = True  # its receive() says http.disconnect, its send() returns
             running.message_event.set()
+            exchange = cast(dict[str, Any], running.scope).get("extensions", {}).get(
+                EXCHANGE_EXTENSION)
+            if exchange is not None:
+                exchange.client_gone()
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's, with the refusals of a head over the limits.
         if self._refused:
             return  # lingering after a refusal: what the client still sends is dropped
         self._unset_keepalive_if_required()
-        in_head = self._in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -139,7 +251,7 @@ class HttpProtocol(HttpToolsProtocol):
             self.logger.warning(msg)
             self.send_400_response(msg)
             return
-        if in_head and self._in_head:  # the whole chunk is part of a head still incomplete
+        if self._in_head:  # a head still incomplete: its bytes so far are bounded by chunks
             self._head_chunks += len(data)
             if self._head_chunks > self.max_head_bytes:
                 self._refused = 431
@@ -151,6 +263,7 @@ class HttpProtocol(HttpToolsProtocol):
             self.deadline = self.loop.time() + self.max_request_s
         self._in_head = True
         self._head_size = self._head_chunks = 0
+        self._raw_head = []
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -161,22 +274,34 @@ class HttpProtocol(HttpToolsProtocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, with the size.
-        self._head_size += len(name) + len(value)
-        if self._head_size > self.max_head_bytes:
-            self._refused = 431
-            raise _HeadTooLarge
-        name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+        # Names and values as they came; `on_headers_complete` sizes and lowers them
+        # all at once (a call per header here instead of five).
+        self._raw_head += (name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if len(self.headers) > self.max_headers:
+        raw = self._raw_head
+        self._raw_head = []
+        self._head_size += sum(map(len, raw))
+        if self._head_size > self.max_head_bytes:
             self._refused = 431
             raise _HeadTooLarge
+        if len(raw) > 2 * self.max_headers:
+            self._refused = 431
+            raise _HeadTooLarge
+        if raw:
+            # A header name is a token (no NUL): one lower() for all of them.
+            names = b"\0".join(raw[0::2]).lower().split(b"\0")
+            self.headers.extend(zip(names, raw[1::2], strict=True))
+            if b"expect" in names:
+                for name, value in self.headers:
+                    if name == b"expect" and value.lower() == b"100-continue":
+                        self.expect_100_continue = True
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a request (not an upgrade): its task runs after this
+            extensions: dict[str, Any] = {EXCHANGE_EXTENSION: HttpExchange(self.cycle)}
+            cast(dict[str, Any], self.scope)["extensions"] = extensions
 
     def on_response_complete(self) -> None:
         self._pending -= 1

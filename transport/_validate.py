@@ -61,7 +61,9 @@ def is_schedule_id(value: object) -> TypeGuard[str]:
 
 
 def is_lease_id(value: object) -> TypeGuard[str]:
-    return isinstance(value, str) and 3 <= len(value) <= 64 and LEASE_ID.fullmatch(value) is not None
+    # `type() is` first: a plain str (every path id) skips the isinstance call.
+    return ((type(value) is str or isinstance(value, str)) and 3 <= len(value) <= 64
+            and LEASE_ID.fullmatch(value) is not None)
 
 
 SESSION_ID: Final = re.compile(r"ws_r_[0-9A-Za-z][0-9A-Za-z._@-]*\.[A-Za-z0-9_-]{1,64}")
@@ -314,19 +316,34 @@ def parse_session_call(body: Any, connection_worker: str | None) -> str:
     return worker_id
 
 
+_CLAIM_KEYS: Final = frozenset({"worker_id", "max", "wait_ms", "run_id"})
+
+
 def parse_claim(body: Any) -> dict[str, Any]:
-    """``ClaimRequest`` -> ``worker_id, max, wait_ms, run_id`` (``max`` capped at `MAX_CLAIM`)."""
-    b = _body(body)
-    _closed(b, frozenset({"worker_id", "max", "wait_ms", "run_id"}), "")
-    worker_id = _pattern(_required(b, "worker_id", ""), "worker_id", WORKER_ID,
-                         "a worker id (w_...)", 64)
-    max_n = check_int(b.get("max", 1), "max", minimum=1)
-    wait_ms = check_int(b.get("wait_ms", 0), "wait_ms", minimum=0)
+    """``ClaimRequest`` -> ``worker_id, max, wait_ms, run_id`` (``max`` capped at `MAX_CLAIM`).
+
+    A worker sends one per step or so: the common shape (a plain object, known
+    keys, int fields, a well-formed id) is checked inline; anything else goes
+    through the general checks, which name the field.
+    """
+    b = body if type(body) is dict else _body(body)
+    if not _CLAIM_KEYS.issuperset(b):
+        _closed(b, _CLAIM_KEYS, "")
+    worker_id = b.get("worker_id")
+    if type(worker_id) is not str or len(worker_id) > 64 or WORKER_ID.fullmatch(worker_id) is None:
+        worker_id = _pattern(_required(b, "worker_id", ""), "worker_id", WORKER_ID,
+                             "a worker id (w_...)", 64)
+    max_n = b.get("max", 1)
+    if type(max_n) is not int or max_n < 1:
+        max_n = check_int(max_n, "max", minimum=1)
+    wait_ms = b.get("wait_ms", 0)
+    if type(wait_ms) is not int or wait_ms < 0:
+        wait_ms = check_int(wait_ms, "wait_ms", minimum=0)
     run_id = b.get("run_id")
     if run_id is not None and not is_run_id(run_id):
         raise Invalid("must be a run id (r_...) or null", field="run_id")
-    return {"worker_id": worker_id, "max": min(max_n, MAX_CLAIM), "wait_ms": wait_ms,
-            "run_id": run_id}
+    return {"worker_id": worker_id, "max": min(max_n, MAX_CLAIM),
+            "wait_ms": wait_ms, "run_id": run_id}
 
 
 def parse_started(body: Any) -> dict[str, Any]:
@@ -342,35 +359,48 @@ def parse_heartbeat(body: Any) -> dict[str, Any]:
     return {"progress": b["progress"]} if "progress" in b else {}
 
 
+_COMPLETE_KEYS: Final = frozenset({"output", "state_patch", "usage", "spans", "started",
+                                   "local_steps", "sticky_cursor", "sticky_stats"})
+
+
 def parse_complete(body: Any) -> dict[str, Any]:
     """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``,
     and ``local_steps``, ``sticky_cursor``, ``sticky_stats`` when given: checked here, gated
     by the lease actor, `stepd.sansio.capabilities`)."""
-    b = _body(body)
-    _closed(b, frozenset({"output", "state_patch", "usage", "spans", "started", "local_steps",
-                          "sticky_cursor", "sticky_stats"}), "")
-    state_patch = b.get("state_patch")
-    if state_patch is not None and not isinstance(state_patch, dict):
+    b = body if type(body) is dict else _body(body)
+    if not _COMPLETE_KEYS.issuperset(b):
+        _closed(b, _COMPLETE_KEYS, "")
+    get = b.get
+    state_patch = get("state_patch")
+    if state_patch is not None and type(state_patch) is not dict \
+            and not isinstance(state_patch, dict):
         raise Invalid("must be an object or null", field="state_patch")
-    spans = b.get("spans", [])
-    if not isinstance(spans, list):
+    spans = get("spans", [])
+    if type(spans) is not list and not isinstance(spans, list):
         raise Invalid("must be an array", field="spans")
+    usage = get("usage")
     out = {
-        "output": b.get("output"),
+        "output": get("output"),
         "state_patch": state_patch,
-        "usage": _usage(b.get("usage"), "usage"),
-        "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)],
+        "usage": None if usage is None else _usage(usage, "usage"),
+        "spans": [_span(s, f"spans[{i}]") for i, s in enumerate(spans)] if spans else [],
     }
-    if _folded_started(b):
+    started = get("started", False)
+    if started is True:
         out["started"] = True
-    if b.get("local_steps") is not None:
-        parse_records(b["local_steps"])
+    elif started is not False:
+        _folded_started(b)  # raises: not a boolean
+    local_steps = get("local_steps")
+    if local_steps is not None:
+        parse_records(local_steps)
         out["local_steps"] = [_local_body(r, f"local_steps[{i}]")
-                              for i, r in enumerate(b["local_steps"])]
-    if b.get("sticky_cursor") is not None:
-        out["sticky_cursor"] = _sticky_cursor(b["sticky_cursor"])
-    if b.get("sticky_stats") is not None:
-        out["sticky_stats"] = _sticky_stats(b["sticky_stats"])
+                              for i, r in enumerate(local_steps)]
+    sticky_cursor = get("sticky_cursor")
+    if sticky_cursor is not None:
+        out["sticky_cursor"] = _sticky_cursor(sticky_cursor)
+    sticky_stats = get("sticky_stats")
+    if sticky_stats is not None:
+        out["sticky_stats"] = _sticky_stats(sticky_stats)
     return out
 
 

@@ -39,15 +39,17 @@ from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import parse_qsl
 
 import anyio
 
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 
-from .auth import Forbidden, Unauthorized
+from ._uvicorn import EXCHANGE_EXTENSION, HttpExchange
+from .auth import Forbidden, Principal, Unauthorized
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import CounterChild
 from .openapi import openapi_bytes
 from .protocol import (
     LONG_POLLS,
@@ -179,17 +181,17 @@ def route(path: str) -> Route | None:
     static = _STATIC.get(path)
     if static is not None:
         return static[0], static[1], None
+    if path.startswith("/v1/api/steps/"):  # first: a worker's lease calls
+        lease, _, name = path[14:].rpartition("/")
+        if lease and "/" not in lease:
+            found = _LEASE_ROUTES.get(name)
+            if found is not None:
+                return found[0], found[1], lease
+        return None
     if path.startswith("/ui/"):
         return _UI_ROUTE[0], _UI_ROUTE[1], path[4:] or "index.html"
     if path == "/ui":
         return _UI_REDIRECT_ROUTE[0], _UI_REDIRECT_ROUTE[1], None
-    if path.startswith("/v1/api/steps/"):
-        parts = path[len("/v1/api/steps/"):].split("/")
-        if len(parts) == 2 and parts[0]:
-            found = _LEASE_ROUTES.get(parts[1])
-            if found is not None:
-                return found[0], found[1], parts[0]
-        return None
     if path.startswith("/v1/api/sessions/"):
         parts = path[len("/v1/api/sessions/"):].split("/")
         if len(parts) == 2 and parts[0]:
@@ -340,20 +342,32 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def _text_header(scope: Scope, name: bytes) -> str | None:
-    value = _header(scope, name)
-    return None if value is None else value.decode("latin-1")
+def _heads(scope: Scope) -> tuple[bytes | None, bytes | None, bytes | None, bytes | None]:
+    """``Host``, ``Origin``, ``Authorization`` and ``Content-Length`` (the first of each)
+    in one pass over the headers: what every operation reads."""
+    host = origin = authorization = length = None
+    for key, value in scope["headers"]:
+        if key == b"host":
+            if host is None:
+                host = value
+        elif key == b"authorization":
+            if authorization is None:
+                authorization = value
+        elif key == b"content-length":
+            if length is None:
+                length = value
+        elif key == b"origin" and origin is None:
+            origin = value
+    return host, origin, authorization, length
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body, refused past ``limit`` bytes (announced or streamed).
+def _check_length(declared: bytes | None, limit: int) -> None:
+    """Refuse a declared ``Content-Length`` over ``limit`` before a byte of the body is read.
 
     Raises:
         TooLarge: over the limit.
         Invalid: a malformed ``Content-Length``.
-        _ClientGone: the client disconnected meanwhile.
     """
-    declared = _header(scope, b"content-length")
     if declared is not None:
         try:
             length = int(declared)
@@ -361,6 +375,18 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise Invalid("malformed Content-Length header") from None
         if length > limit:
             raise TooLarge(f"the body ({length} bytes) is over the limit of {limit} bytes")
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int,
+                     declared: bytes | None = None) -> bytes:
+    """The whole request body, refused past ``limit`` bytes (announced or streamed).
+
+    Raises:
+        TooLarge: over the limit.
+        Invalid: a malformed ``Content-Length``.
+        _ClientGone: the client disconnected meanwhile.
+    """
+    _check_length(declared if declared is not None else _header(scope, b"content-length"), limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -385,6 +411,8 @@ async def _until_disconnect(receive: Receive, fn: Callable[[], Awaitable[Reply]]
 
     The body has been read already, so the next ``http.disconnect`` is the
     client going away (PROTOCOL.md: an abandoned long-poll must not hold work).
+    Under a server other than stepd's own protocol (`HttpExchange` tells of a
+    disconnect without a task); a second task reads ``receive`` meanwhile.
     """
     result: list[Reply] = []
     async with anyio.create_task_group() as tg:
@@ -415,6 +443,10 @@ async def _send_reply(send: Send, reply: Reply, *, close: bool = False) -> None:
     await _send(send, reply.status, encode_json(reply.body), headers)
 
 
+_JSON_LINE: Final = b"content-type: application/json\r\n"
+_KEYLESS_SEEN_MAX: Final = 64
+
+
 class HttpApp:
     """The daemon's ASGI application: HTTP endpoints and the worker WebSocket.
 
@@ -427,21 +459,163 @@ class HttpApp:
         self.protocol = protocol
         self.sockets = sockets if sockets is not None else WorkerSockets(protocol)
         self._requests = protocol.metrics.requests_total
+        self._counted: dict[tuple[str, int], CounterChild] = {}
+        # (Host, Origin) pairs `Protocol.check_keyless` let through while no key was
+        # configured: the check is a function of the two headers alone, so a worker's
+        # requests, which repeat the same pair, skip it (bounded: cleared when full).
+        self._keyless_seen: set[tuple[bytes | None, bytes | None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            await self.sockets(scope, receive, send)
-        elif kind == "lifespan":
-            await _lifespan(receive, send)
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request (a protocol operation inline: every frame of this chain is
+        resumed again whenever the call waits), the worker WebSocket, or the lifespan."""
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await self.sockets(scope, receive, send)
+            elif scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
         found = route(scope["path"])
+        op = None if found is None else found[1].get(scope["method"])
+        protocol = self.protocol
+        if type(op) is not Operation or protocol.draining:
+            await self._not_an_operation(scope, send, found)
+            return
+        assert found is not None and isinstance(op, Operation)
+        template, target = found[0], found[2]
+        # The operation's reply is made inside the call's tracking scope and sent
+        # after it, so a shutdown that cancels the call never cuts an answer in half.
+        # Under stepd's own protocol (`HttpExchange`) the body is read from the
+        # parser's buffer, the answer leaves in one write, and a long-poll is
+        # cancelled by the disconnect itself.
+        extensions = scope.get("extensions")
+        exchange: HttpExchange | None = (
+            extensions.get(EXCHANGE_EXTENSION) if extensions is not None else None)
+        reply: Reply | None = None
+        close = False
+        gone = False
+        with protocol.tracking() as call:
+            try:
+                prepared = self._prepare(scope, op, exchange)
+                if prepared is None:  # the body is still arriving, or another server
+                    prepared = await self._prepare_streamed(scope, receive, op)
+                if type(prepared) is Reply:
+                    reply = prepared
+                elif isinstance(prepared, (Unauthorized, Forbidden)):
+                    reply = await protocol.refused(op, prepared, target)
+                else:
+                    principal, body, error = cast(_Prepared, prepared)
+                    close = type(error) is TooLarge
+                    query = _query(scope) if scope["query_string"] else {}
+                    if op not in LONG_POLLS or error is not None:
+                        reply = await protocol.handle(op, principal, target=target, query=query,
+                                                      body=body, error=error)
+                    elif exchange is not None:
+                        # A disconnect cancels the call's scope (`HttpExchange.client_gone`).
+                        if exchange.gone:
+                            raise _ClientGone
+                        exchange.watch = call
+                        try:
+                            reply = await protocol.handle(op, principal, target=target,
+                                                          query=query, body=body)
+                        finally:
+                            exchange.watch = None
+                    else:
+                        reply = await _long_poll(protocol, receive, op, principal, target, query,
+                                                 body)
+            except _ClientGone:
+                gone = True
+        if reply is None:
+            if gone or (exchange is not None and exchange.gone):
+                self._count(template, 499)  # the client went away before the answer
+                return
+            # The grace period of a shutdown ran out while this call was in flight.
+            reply, close = error_reply(Unavailable("the daemon is shutting down")), True
+        if exchange is not None:
+            head = _JSON_LINE
+            if reply.headers:
+                head += b"".join([b"%s: %s\r\n" % pair for pair in reply.headers])
+            await exchange.respond(reply.status, head, encode_json(reply.body), close=close)
+        else:
+            await _send_reply(send, reply, close=close)
+        self._count(template, reply.status)
+
+    def _count(self, template: str, status: int) -> None:
+        """``stepd_http_requests_total{route, status}`` += 1 (the series looked up once)."""
+        key = (template, status)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = self._requests.labels(template, str(status))
+        child.inc()
+
+    def _prepare(self, scope: Scope, op: Operation, exchange: HttpExchange | None
+                 ) -> _Prepared | Reply | Unauthorized | Forbidden | None:
+        """The caller and the body of ``op``, without waiting: a refusal's `Reply` (a
+        cross-site request), the refused authorization (`Protocol.refused` audits it),
+        or None when the body must be read as it streams (`_prepare_streamed`)."""
+        protocol = self.protocol
+        host, origin, authorization, declared = _heads(scope)
+        if not protocol.keyring.enabled:
+            seen = self._keyless_seen
+            if (host, origin) not in seen:
+                try:
+                    protocol.check_keyless(None if host is None else host.decode("latin-1"),
+                                           None if origin is None else origin.decode("latin-1"))
+                except CrossSite as exc:
+                    return error_reply(exc)
+                if len(seen) >= _KEYLESS_SEEN_MAX:
+                    seen.clear()
+                seen.add((host, origin))
+        try:
+            principal = protocol.authorize(
+                op, None if authorization is None else authorization.decode("latin-1"))
+        except (Unauthorized, Forbidden) as exc:
+            return exc
+        if SPECS[op].body == "none":
+            return principal, NO_BODY, None
+        if exchange is None:
+            return None
+        try:
+            limit = protocol.max_body_bytes
+            _check_length(declared, limit)
+            raw = exchange.take_body()
+            if raw is None:
+                return None
+            if len(raw) > limit:
+                raise TooLarge(f"the body is over the limit of {limit} bytes")
+            return principal, decode_json(raw) if raw and not raw.isspace() else NO_BODY, None
+        except (TooLarge, Invalid) as exc:
+            return principal, NO_BODY, exc
+
+    async def _prepare_streamed(self, scope: Scope, receive: Receive, op: Operation
+                                ) -> _Prepared | Reply | Unauthorized | Forbidden:
+        """`_prepare`, reading the body through ASGI's ``receive``.
+
+        Raises:
+            _ClientGone: the client disconnected meanwhile.
+        """
+        protocol = self.protocol
+        host, origin, authorization, declared = _heads(scope)
+        try:
+            protocol.check_keyless(None if host is None else host.decode("latin-1"),
+                                   None if origin is None else origin.decode("latin-1"))
+        except CrossSite as exc:
+            return error_reply(exc)
+        try:
+            principal = protocol.authorize(
+                op, None if authorization is None else authorization.decode("latin-1"))
+        except (Unauthorized, Forbidden) as exc:
+            return exc
+        try:
+            raw = await _read_body(scope, receive, protocol.max_body_bytes, declared)
+            return principal, decode_json(raw) if raw and not raw.isspace() else NO_BODY, None
+        except (TooLarge, Invalid) as exc:
+            return principal, NO_BODY, exc
+
+    async def _not_an_operation(self, scope: Scope, send: Send, found: Route | None) -> None:
+        """404, 405, 503 while draining, and the endpoints that are not protocol operations."""
         if found is None:
             await _send_reply(send, error_reply(NotFound(f"no such endpoint: {scope['path']}")))
-            self._requests.labels("unmatched", "404").inc()
+            self._count("unmatched", 404)
             return
         template, methods, target = found
         handler = methods.get(scope["method"])
@@ -450,13 +624,14 @@ class HttpApp:
             body = {"error": "method_not_allowed",
                     "message": f"{scope['method']} is not allowed here; use {allow.decode()}"}
             await _send(send, 405, encode_json(body), [_JSON, (b"allow", allow)])
-            self._requests.labels(template, "405").inc()
+            self._count(template, 405)
             return
         protocol = self.protocol
         if protocol.draining:
             status = await self._answer(send, error_reply(Unavailable("the daemon is shutting down")))
-            self._requests.labels(template, str(status)).inc()
+            self._count(template, status)
             return
+        assert isinstance(handler, _Special)
         started: list[bool] = []
 
         async def tracked_send(message: Message) -> None:
@@ -466,22 +641,19 @@ class HttpApp:
 
         status = 503
         with protocol.tracking() as call:
-            try:
-                status = await self._dispatch(scope, receive, tracked_send, handler, target)
-            except _ClientGone:
-                status = 499
+            status = await self._dispatch_special(scope, tracked_send, handler, target)
         if call.cancelled_caught and not started:
             # The grace period of a shutdown ran out while this call was in flight.
             status = await self._answer(send, error_reply(Unavailable(
                 "the daemon is shutting down")), close=True)
-        self._requests.labels(template, str(status)).inc()
+        self._count(template, status)
 
     async def _answer(self, send: Send, reply: Reply, *, close: bool = False) -> int:
         await _send_reply(send, reply, close=close)
         return reply.status
 
-    async def _dispatch(self, scope: Scope, receive: Receive, send: Send, handler: Handler,
-                        target: str | None) -> int:
+    async def _dispatch_special(self, scope: Scope, send: Send, handler: _Special,
+                                target: str | None) -> int:
         if handler is HEALTHZ:
             return await self._answer(send, Reply(200, {"status": "ok"}))
         if handler is METRICS:
@@ -497,45 +669,33 @@ class HttpApp:
             # /ui/ is the page: its relative links (./app.js) then resolve under /ui/.
             await _send(send, 308, b"", [(b"location", b"/ui/"), _UI_CACHE, *_UI_HEADERS])
             return 308
-        if handler is CONNECT:
-            upgrade = {"error": "upgrade_required",
-                       "message": "this endpoint is the worker WebSocket: send an Upgrade request"}
-            await _send(send, 426, encode_json(upgrade), [_JSON, (b"upgrade", b"websocket")])
-            return 426
-        assert isinstance(handler, Operation)
-        op = handler
-        protocol = self.protocol
-        try:
-            protocol.check_keyless(_text_header(scope, b"host"), _text_header(scope, b"origin"))
-        except CrossSite as exc:
-            return await self._answer(send, error_reply(exc))
-        try:
-            principal = protocol.authorize(op, _text_header(scope, b"authorization"))
-        except (Unauthorized, Forbidden) as exc:
-            return await self._answer(send, await protocol.refused(op, exc, target))
+        assert handler is CONNECT
+        upgrade = {"error": "upgrade_required",
+                   "message": "this endpoint is the worker WebSocket: send an Upgrade request"}
+        await _send(send, 426, encode_json(upgrade), [_JSON, (b"upgrade", b"websocket")])
+        return 426
 
-        body: Any = NO_BODY
-        error: StepdError | None = None
-        if SPECS[op].body != "none":
-            try:
-                raw = await _read_body(scope, receive, protocol.max_body_bytes)
-                if raw.strip():
-                    body = decode_json(raw)
-            except (TooLarge, Invalid) as exc:
-                error = exc
-        query = _query(scope) if scope["query_string"] else {}
 
-        async def run() -> Reply:
-            return await protocol.handle(op, principal, target=target, query=query, body=body,
-                                         error=error)
+_Prepared = tuple[Principal, Any, StepdError | None]
+"""What a call needs besides its path: the caller, the body (or `NO_BODY`), and the
+refusal found while reading it (413, malformed JSON), which `Protocol.call` records."""
 
-        if op in LONG_POLLS and error is None:
-            reply = await _until_disconnect(receive, run)
-            if reply is None:
-                raise _ClientGone
-        else:
-            reply = await run()
-        return await self._answer(send, reply, close=isinstance(error, TooLarge))
+
+async def _long_poll(protocol: Protocol, receive: Receive, op: Operation, principal: Principal,
+                     target: str | None, query: dict[str, str], body: Any) -> Reply:
+    """A long-poll under another server: cancelled when ``receive`` says the client left.
+
+    Raises:
+        _ClientGone: it did.
+    """
+
+    async def run() -> Reply:
+        return await protocol.handle(op, principal, target=target, query=query, body=body)
+
+    reply = await _until_disconnect(receive, run)
+    if reply is None:
+        raise _ClientGone
+    return reply
 
 
 def _query(scope: Scope) -> dict[str, str]:

@@ -77,9 +77,16 @@ def _encode(body: Any) -> bytes:
         raise ValueError("a circular reference or a value nested too deeply") from None
 
 
+_SCAN: Any = _DECODER.scan_once  # type: ignore[attr-defined]
+"""The C scanner under `_DECODER.raw_decode` (one C call per answer, not three calls)."""
+
+
 def _decode(content: bytes) -> Any:
     text = content.decode()
-    value, end = _DECODER.raw_decode(text)
+    try:
+        value, end = _SCAN(text, 0)
+    except StopIteration:
+        return _DECODER.raw_decode(text)[0]  # raises the ValueError that says where
     if end != len(text) and text[end:].strip():
         raise ValueError("extra data after the JSON value")
     return value
@@ -230,7 +237,9 @@ def worker_http(url: str, key: str | None, timeout: float,
     if wants_httpx(url, trust_env):
         return httpx.AsyncClient(base_url=url, headers=headers(key), timeout=timeout,
                                  trust_env=trust_env, http1=True, http2=False)
-    return Http1Client(url, headers(key))
+    # No ``accept``: the daemon answers JSON whatever it says, and each header is a
+    # parser callback on the daemon's side of every claim and lease call.
+    return Http1Client(url, {k: v for k, v in headers(key).items() if k != "accept"})
 
 
 # --------------------------------------------------------------------------- the worker
