@@ -7,23 +7,12 @@ package in site-packages would collide with anything else called that.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_wheel_contains_only_the_stepd_tree(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(tmp_path)],
-        check=True,
-        cwd=tmp_path,
-    )
-    (wheel,) = tmp_path.glob("stepd-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+def test_wheel_contains_only_the_stepd_tree(stepd_wheel: Path) -> None:
+    names = zipfile.ZipFile(stepd_wheel).namelist()
     tops = {name.split("/", 1)[0] for name in names}
     dist_info = {t for t in tops if t.endswith(".dist-info")}
     assert len(dist_info) == 1

@@ -45,22 +45,38 @@ def finish(client: stepd.Client, run: Any, payload: Any = "go!") -> Any:
     return client.result(run, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, str], tuple[Any, Any]]:
+    """`reference`'s answers, kept for the module: (transport, kind) -> (result, state).
+
+    What a run of ``<prefix>-<kind>`` returns with the cache off does not depend on the
+    prefix (`_sticky_worker.grow` reports step ids and state keys, never the workflow's
+    name), so one cache-off run per transport and kind serves every test; each test
+    still runs its own prefix's workflow with the cache on and compares."""
+    return {}
+
+
 def reference(client: stepd.Client, workers: Callable[..., StickyProcess], url: str,
-              prefix: str, transport: str, kind: str) -> tuple[Any, Any]:
+              prefix: str, transport: str, kind: str,
+              references: dict[tuple[str, str], tuple[Any, Any]]) -> tuple[Any, Any]:
     """The result and state of the same workflow with the cache off."""
+    if (transport, kind) in references:
+        return references[transport, kind]
     w = workers(url, prefix, transport=transport, capacity=0)
     run = client.start(f"{prefix}-{kind}", {"x": 1})
     result = finish(client, run) if kind == "paused" else client.result(run, timeout=60)
     assert sticky_of(client, w.worker_id) is None  # sticky off: nothing reported
     w.stop()
-    return result, client.status(run).state
+    references[transport, kind] = result, client.status(run).state
+    return references[transport, kind]
 
 
 def test_sticky_hits_and_the_result_is_the_same_as_without(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
     prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "chain")
+    off = reference(client, workers, daemon.url, prefix, transport, "chain", references)
     w = workers(daemon.url, prefix, transport=transport, capacity=8)
     run = client.start(f"{prefix}-chain", {"x": 1})
     on = client.result(run, timeout=60), client.status(run).state
@@ -80,9 +96,10 @@ def test_sticky_hits_and_the_result_is_the_same_as_without(
 
 def test_eviction_by_capacity_forces_cold_replays(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
     prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    off = reference(client, workers, daemon.url, prefix, transport, "paused", references)
     w = workers(daemon.url, prefix, transport=transport, capacity=1)
     a = client.start(f"{prefix}-paused", {"x": 1})
     eventually(lambda: waiting(client, a))
@@ -98,13 +115,14 @@ def test_eviction_by_capacity_forces_cold_replays(
 
 
 def take_over(daemon: DaemonProcess, client: stepd.Client,
-              workers: Callable[..., StickyProcess], transport: str, *, kill: bool,
+              workers: Callable[..., StickyProcess], transport: str,
+              references: dict[tuple[str, str], tuple[Any, Any]], *, kill: bool,
               build_id: str) -> None:
     """A run's first step on one process; another process takes over its worker id (with
     `build_id`) before the next: the delta it gets names a cache it does not hold, so it
     fetches the history once (a forced cold replay), then hits."""
     prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    off = reference(client, workers, daemon.url, prefix, transport, "paused", references)
     first = workers(daemon.url, prefix, transport=transport, capacity=8, build_id="b1")
     run = client.start(f"{prefix}-paused", {"x": 1})
     eventually(lambda: waiting(client, run))
@@ -122,22 +140,25 @@ def take_over(daemon: DaemonProcess, client: stepd.Client,
 
 def test_a_replacement_process_with_the_same_worker_id_replays_cold(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
-    take_over(daemon, client, workers, transport, kill=True, build_id="b1")
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
+    take_over(daemon, client, workers, transport, references, kill=True, build_id="b1")
 
 
 def test_a_build_mismatch_replays_cold(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
     # s1's delta names the b1 cache: fetched cold; s2's names b2: a hit.
-    take_over(daemon, client, workers, transport, kill=False, build_id="b2")
+    take_over(daemon, client, workers, transport, references, kill=False, build_id="b2")
 
 
 def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_ms(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
     prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    off = reference(client, workers, daemon.url, prefix, transport, "paused", references)
     holder = workers(daemon.url, prefix, transport=transport, capacity=8, schedule_ms=300)
     run = client.start(f"{prefix}-paused", {"x": 1})
     eventually(lambda: waiting(client, run))
@@ -159,7 +180,8 @@ def test_holder_lost_the_next_step_goes_to_another_worker_after_sticky_schedule_
 
 def test_a_corrupted_cache_entry_is_caught_by_the_cursor_check(
         daemon: DaemonProcess, client: stepd.Client, workers: Callable[..., StickyProcess],
-        transport: str) -> None:
+        transport: str,
+        references: dict[tuple[str, str], tuple[Any, Any]]) -> None:
     """The base cursor the lease names does not match the entry: no hit, a cold replay.
 
     The worker is an SDK `Worker` in this process (on its own thread, over the real
@@ -168,7 +190,7 @@ def test_a_corrupted_cache_entry_is_caught_by_the_cursor_check(
     from tests.sdk.conftest import serving
 
     prefix = unique()
-    off = reference(client, workers, daemon.url, prefix, transport, "paused")
+    off = reference(client, workers, daemon.url, prefix, transport, "paused", references)
     worker = stepd.Worker(daemon.url, concurrency=2, build_id="b1", transport=transport,
                           sticky_cache_capacity=8).register(*workflows(prefix))
     with serving(worker):

@@ -3,10 +3,14 @@
 * `start_daemon` starts ``python -m stepd serve --port 0`` and waits (bounded)
   for its listening line; `DaemonProcess.stop` sends SIGTERM, waits a bounded
   time, then SIGKILLs it by its PID.
-* `browser` (module scope) is Debian's chromium driven by Playwright's Python
-  package, headless, with a fresh user-data directory. Playwright's own
-  browser download is not used (it cannot run here): the tests skip, saying
-  why, when ``/usr/bin/chromium`` (or ``$STEPD_CHROMIUM``) or the
+* `browser` (package scope: closed after tests/console's last test) is
+  Debian's chromium driven by Playwright's Python package, headless, with a
+  fresh user-data directory. One launch serves both browser modules: every
+  test opens its own page (`_pages.open_page`) on its module's own daemon, so
+  they share nothing but the process (the console keeps its key in the tab's
+  sessionStorage, new with every page). Playwright's own browser download is not
+  used (it cannot run here): the tests skip, saying why, when
+  ``/usr/bin/chromium`` (or ``$STEPD_CHROMIUM``) or the
   ``playwright`` package is missing.
 """
 
@@ -165,7 +169,7 @@ def _chromium_or_skip() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     """A headless chromium (a Playwright `BrowserContext`) with a fresh user-data directory."""
     sync_api = pytest.importorskip(

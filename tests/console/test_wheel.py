@@ -2,13 +2,11 @@
 
 Nothing is built at install time and nothing but Python runs the daemon, so the
 static files must be in the wheel itself, beside ``stepd/transport/http.py``
-(tests/test_packaging.py builds the wheel the same way).
+(tests/test_packaging.py reads the same build: the session's `stepd_wheel`).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -16,14 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONSOLE = ROOT / "transport" / "console"
 
 
-def test_the_wheel_carries_every_console_file(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(tmp_path)],
-        check=True, cwd=tmp_path, timeout=300,
-    )
-    (wheel,) = tmp_path.glob("stepd-*.whl")
-    with zipfile.ZipFile(wheel) as z:
+def test_the_wheel_carries_every_console_file(stepd_wheel: Path) -> None:
+    with zipfile.ZipFile(stepd_wheel) as z:
         names = set(z.namelist())
         files = [p for p in CONSOLE.rglob("*") if p.is_file()]
         assert files
