@@ -18,9 +18,14 @@ Per step, window minus nothing (the daemon is idle before and after):
 * ``main_wait_ms``: how long the event loop's thread sat runnable, waiting
   for a core (schedstat): what the child and the sink take from it shows
   here, and in ``nivcsw`` (involuntary context switches of the process);
-* ``main_vcsw``: the event loop thread's voluntary context switches: it
-  sleeps for each wait on the GIL (and on epoll when it has nothing to do);
-* ``gc1_per_1k``: the collector's generation-1 runs per 1,000 steps;
+* ``main_vcsw``, ``main_ivcsw``: the event loop thread's voluntary context
+  switches (it sleeps for each wait on the GIL, and on epoll when it has
+  nothing to do) and involuntary ones (preempted);
+* ``export_vcsw``, ``writer_vcsw``, ``child_vcsw``: the voluntary switches of
+  the export thread (if any), the storage writer and the export child: how
+  often each wakes up, per step;
+* ``gc_ms``: CPU the collector took on the thread that ran it (``gc.callbacks``);
+* ``gc1_per_1k``, ``gc2_per_1k``: the collector's generation-1 and -2 runs per 1,000 steps;
 * ``child_ms``, ``sink_ms``: CPU of the export child and of the sink;
 * ``pipe_bytes``: bytes the child read from its pipe (``/proc/PID/io``).
 
@@ -36,7 +41,7 @@ export thread. Profiling slows everything, so its CPU figures are not shown.
 The window opens after the warm-up, a settle and (export on) the warm-up's
 spans sent, and closes when the last
 result is back and, with export on, the export has gone quiet (nothing
-queued, the collector's count still for 0.3 s), bounded to 15 s; off, it
+queued, the collector's count still for 1.2 s), bounded to 15 s; off, it
 closes after the same fixed tail (1.5 s).
 """
 
@@ -71,6 +76,7 @@ COMMIT = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=
 SETTLE_S = 1.25
 TAIL_S = 1.5
 QUIET_S = 0.3
+QUIET_FOR_S = 1.2
 DRAIN_BOUND_S = 15.0
 EXPORT_THREAD = "stepd-otel-export"
 WRITER_THREAD = "stepd-storage-writer"
@@ -94,15 +100,41 @@ def _schedstat(path: str) -> tuple[float, float]:
     return int(on) / 1e9, int(wait) / 1e9
 
 
-def _switches(tid: int) -> float:
-    """The thread's voluntary context switches: each wait for the GIL (or for I/O) is one."""
+def _switches(path: str) -> tuple[float, float]:
+    """A thread's (or process's main thread's) voluntary and involuntary context switches
+    (``/proc/.../status``): it sleeps once per voluntary one (a wait for the GIL, for a
+    lock, for I/O or for its timer: a wake-up each), and is preempted per involuntary one."""
+    vol = invol = 0.0
     try:
-        for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                return float(line.split()[1])
+                vol = float(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                invol = float(line.split()[1])
     except OSError:
         pass
-    return 0.0
+    return vol, invol
+
+
+class GcClock:
+    """CPU the collector spends on the thread that runs it (``gc.callbacks``; the event loop's
+    thread, nearly always): writes held longer survive into older generations, which every
+    later collection of those generations walks again."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._hear)
+
+    def _hear(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._began = time.thread_time()
+        elif self._began:
+            self.cpu_s += time.thread_time() - self._began
+            self._began = 0.0
+
+
+GC_CLOCK = GcClock()
 
 
 def _rchar(pid: int | None) -> int:
@@ -130,12 +162,21 @@ def snapshot(child: int | None, sink: int | None) -> dict[str, float]:
     assert main is not None
     export, writer = _thread_tid(EXPORT_THREAD), _thread_tid(WRITER_THREAD)
     main_on, main_wait = _schedstat(f"/proc/self/task/{main}/schedstat")
+    main_vcsw, main_ivcsw = _switches(f"/proc/self/task/{main}/status")
+    export_vcsw = 0.0 if export is None else _switches(f"/proc/self/task/{export}/status")[0]
+    writer_vcsw = 0.0 if writer is None else _switches(f"/proc/self/task/{writer}/status")[0]
+    child_vcsw = 0.0 if child is None else _switches(f"/proc/{child}/status")[0]
     return {
         "proc": ru.ru_utime + ru.ru_stime,
         "nivcsw": float(ru.ru_nivcsw),
         "main": main_on,
         "main_wait": main_wait,
-        "main_vcsw": _switches(main),
+        "main_vcsw": main_vcsw,
+        "main_ivcsw": main_ivcsw,
+        "export_vcsw": export_vcsw,
+        "writer_vcsw": writer_vcsw,
+        "child_vcsw": child_vcsw,
+        "gc": GC_CLOCK.cpu_s,
         "export": 0.0 if export is None else _schedstat(f"/proc/self/task/{export}/schedstat")[0],
         "writer": 0.0 if writer is None else _schedstat(f"/proc/self/task/{writer}/schedstat")[0],
         "child": 0.0 if child is None else _schedstat(f"/proc/{child}/schedstat")[0],
@@ -160,18 +201,21 @@ async def workload(s: Any, runs: int) -> None:
 
 
 async def drain(s: Any, on: bool) -> None:
-    """The fixed tail; with export on, then until the export is quiet (bounded)."""
+    """The fixed tail; with export on, then until the export is quiet (bounded): nothing
+    queued and the collector's count still for `QUIET_FOR_S` (longer than the child holds a
+    span, ``OTEL_BSP_SCHEDULE_DELAY``, 1 s)."""
     await anyio.sleep(TAIL_S)
     if not on:
         return
     deadline = time.monotonic() + DRAIN_BOUND_S
-    last = None
+    last, since = None, time.monotonic()
     while time.monotonic() < deadline:
         stats = await s.export_stats()
         now = (stats.get("queued"), stats.get("exported"))
-        if now == last and stats.get("queued") == 0:
+        if now != last or stats.get("queued") != 0:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= QUIET_FOR_S:
             return
-        last = now
         await anyio.sleep(QUIET_S)
 
 
@@ -196,10 +240,11 @@ async def one(tmp: Path, url: str | None, runs: int, sink_pid: int,
     row: dict[str, Any] = {"export": "on" if url else "off", "runs": runs, "steps": steps,
                            "window_s": round(wall, 2)}
     if counts is None:
-        for key in ("proc", "main", "main_wait", "export", "writer", "child", "sink"):
+        for key in ("proc", "main", "main_wait", "export", "writer", "child", "sink", "gc"):
             row[f"{key}_ms"] = round((b[key] - a[key]) * 1000 / steps, 4)
         row["nivcsw"] = round((b["nivcsw"] - a["nivcsw"]) / steps, 3)
-        row["main_vcsw"] = round((b["main_vcsw"] - a["main_vcsw"]) / steps, 3)
+        for key in ("main_vcsw", "main_ivcsw", "export_vcsw", "writer_vcsw", "child_vcsw"):
+            row[key] = round((b[key] - a[key]) / steps, 3)
         row["pipe_bytes"] = round((b["pipe"] - a["pipe"]) / steps, 1)
         for i in range(3):
             row[f"gc{i}_per_1k"] = round((b[f"gc{i}"] - a[f"gc{i}"]) * 1000 / steps, 2)
@@ -250,13 +295,19 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], calls: bool) -> str:
     keys = (["main_calls", "main_python", "export_calls", "writer_calls"] if calls else
-            ["proc_ms", "main_ms", "main_wait_ms", "export_ms", "writer_ms", "child_ms",
-             "sink_ms", "nivcsw", "main_vcsw", "pipe_bytes", "gc1_per_1k"])
-    lines = [f"{'export':<7}" + "".join(f"{k:>13}" for k in keys)]
-    for r in rows:
-        lines.append(f"{r['export']:<7}" + "".join(
-            f"{r.get(k, 0):>13,.3f}" if not calls else f"{r.get(k, 0):>13,.1f}" for k in keys))
-    return "\n".join(lines)
+            ["proc_ms", "main_ms", "main_wait_ms", "gc_ms", "export_ms", "writer_ms", "child_ms",
+             "sink_ms", "nivcsw", "main_vcsw", "main_ivcsw", "export_vcsw", "writer_vcsw",
+             "child_vcsw", "pipe_bytes", "gc1_per_1k", "gc2_per_1k"])
+    # Two rows of columns: one line of 18 columns is too wide to read.
+    out = []
+    for part in (keys[:9], keys[9:]):
+        out.append(f"{'export':<7}" + "".join(f"{k:>13}" for k in part))
+        for r in rows:
+            out.append(f"{r['export']:<7}" + "".join(
+                f"{r.get(k, 0):>13,.3f}" if not calls else f"{r.get(k, 0):>13,.1f}"
+                for k in part))
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def main(argv: list[str] | None = None) -> int:
