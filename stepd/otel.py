@@ -73,7 +73,7 @@ INSTALL_HINT = "pip install 'stepd[otel]'"
 
 MAX_QUEUE = 65_536
 """Writes handed over that the child has not read yet; past it, writes are dropped and counted."""
-FLUSH_S = 0.05
+FLUSH_S = 0.1
 """How long packed writes wait on the event loop before one write down the pipe."""
 FLUSH_BYTES = 256 << 10
 """Packed bytes that go down the pipe at once, without waiting for `FLUSH_S`."""
