@@ -33,6 +33,13 @@ Off and on take turns ABBA (off first in odd turns, on first in even ones);
 the table gives the medians of each and the median of the turns'
 differences (``on-off``).
 
+With ``--neighbour`` each turn has a third window, ``busy``: export off,
+and beside the daemon a process at nice 10 that spins 20 ms in every 200 (a
+tenth of a core, about the export child's share here) and does nothing
+stepd does; its CPU shows as ``child_ms``. If the loop thread's CPU per
+step rises as much in ``busy`` as in ``on``, what raises it is any work on
+the other core, not export's.
+
 With ``--calls`` the same window is counted with cProfile instead (the
 recorder of `bench.calls`: main thread by cProfile, other threads by a
 profile gate): Python and C calls per step of the main thread and of the
@@ -219,13 +226,31 @@ async def drain(s: Any, on: bool) -> None:
         await anyio.sleep(QUIET_S)
 
 
+#: ``--neighbour``: a process at nice 10 that spins 20 ms in every 200 (a tenth of a core,
+#: about what the export child takes under this workload), doing nothing stepd does.
+NEIGHBOUR = """
+import os, time
+os.nice(10)
+while True:
+    end = time.monotonic() + 0.02
+    while time.monotonic() < end:
+        pass
+    time.sleep(0.18)
+"""
+
+
 async def one(tmp: Path, url: str | None, runs: int, sink_pid: int,
-              recorder: Recorder | None) -> dict[str, Any]:
+              recorder: Recorder | None, neighbour: bool = False) -> dict[str, Any]:
     async with _setups.embedded(tmp, concurrency=None, otlp_endpoint=url) as s:
         child = _otlp.export_child(os.getpid()) if url else None
         await warm_up(s)
         await anyio.sleep(SETTLE_S)
         await drain(s, url is not None)  # the warm-up's spans out before the window opens
+        # before the window opens: a spawn, not a wait on the event loop
+        busy = (subprocess.Popen([sys.executable, "-c", NEIGHBOUR])  # noqa: ASYNC220
+                if neighbour else None)
+        if busy is not None:
+            child = busy.pid  # its CPU shows as the child's
         a = snapshot(child, sink_pid if url else None)
         if recorder is not None:
             recorder.start()
@@ -235,9 +260,13 @@ async def one(tmp: Path, url: str | None, runs: int, sink_pid: int,
         wall = time.perf_counter() - t0
         counts = recorder.stop() if recorder is not None else None
         b = snapshot(child, sink_pid if url else None)
+        if busy is not None:
+            busy.kill()
+            busy.wait()
         stats = await s.export_stats()
     steps = runs * STEPS
-    row: dict[str, Any] = {"export": "on" if url else "off", "runs": runs, "steps": steps,
+    label = "on" if url else ("busy" if neighbour else "off")
+    row: dict[str, Any] = {"export": label, "runs": runs, "steps": steps,
                            "window_s": round(wall, 2)}
     if counts is None:
         for key in ("proc", "main", "main_wait", "export", "writer", "child", "sink", "gc"):
@@ -273,10 +302,11 @@ def start_sink() -> tuple[subprocess.Popen[str], str]:
 
 
 def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians of off and of on, then the median of the pairs' differences (on - off, each
-    pair from the same turn: what the load did to both is closest there)."""
+    """Medians of off and of on (and busy), then the median of the pairs' differences (on -
+    off, each pair from the same turn: what the load did to both is closest there)."""
     out = []
-    for variant in ("off", "on"):
+    variants = [v for v in ("off", "on", "busy") if any(r["export"] == v for r in rows)]
+    for variant in variants:
         mine = [r for r in rows if r["export"] == variant]
         keys = [k for k, v in mine[0].items() if isinstance(v, (int, float))]
         out.append({"export": variant, "repeats": len(mine),
@@ -285,11 +315,12 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_turn: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_turn.setdefault(r["repeat"], {})[r["export"]] = r
-    pairs = [(t["off"], t["on"]) for t in by_turn.values()]
-    keys = [k for k, v in pairs[0][1].items() if isinstance(v, (int, float))]
-    out.append({"export": "on-off", **{
-        k: round(statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs), 4)
-        for k in keys}})
+    for other in variants[1:]:
+        pairs = [(t["off"], t[other]) for t in by_turn.values()]
+        keys = [k for k, v in pairs[0][1].items() if isinstance(v, (int, float))]
+        out.append({"export": f"{other}-off", **{
+            k: round(statistics.median(b.get(k, 0) - a.get(k, 0) for a, b in pairs), 4)
+            for k in keys}})
     return out
 
 
@@ -315,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=300, help="seq(3) runs per window")
     parser.add_argument("--repeat", type=int, default=3, help="off/on pairs, taking turns")
     parser.add_argument("--calls", action="store_true", help="count calls (cProfile), not CPU")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="a third window per turn: export off, a process spinning a tenth "
+                             "of a core at nice 10 beside it ('busy')")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the sink is stopped in finally
     recorder = None
@@ -328,9 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat):
             # ABBA: off first in odd turns, on first in even ones (the first window of a
             # turn ran cheaper or dearer per step than the second, whichever it was).
-            for variant in ((None, url) if rep % 2 == 0 else (url, None)):
-                data = tmp / f"{rep}-{'on' if variant else 'off'}"
-                row = anyio.run(one, data, variant, args.runs, sink.pid, recorder)
+            turn: list[tuple[str, str | None, bool]] = [("off", None, False), ("on", url, False)]
+            if args.neighbour:
+                turn.append(("busy", None, True))
+            for name, variant, neighbour in (turn if rep % 2 == 0 else turn[::-1]):
+                data = tmp / f"{rep}-{name}"
+                row = anyio.run(one, data, variant, args.runs, sink.pid, recorder, neighbour)
                 row["repeat"] = rep + 1
                 row["commit"] = COMMIT
                 row["loadavg"] = os.getloadavg()[0]
