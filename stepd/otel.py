@@ -213,10 +213,14 @@ class SpanExport:
         record = write.record
         buf = self._buf
         idle = not buf
-        buf += self._pack((write.run_id,
-                           tuple(map(record.get, RUN_FIELDS))
-                           if record.get("status") in _ENDED else None,
-                           write.journal, write.leases, write.lease_status))
+        try:
+            buf += self._pack((write.run_id,
+                               tuple(map(record.get, RUN_FIELDS))
+                               if record.get("status") in _ENDED else None,
+                               write.journal, write.leases, write.lease_status))
+        except (TypeError, ValueError, OverflowError):  # the storage encoded it: never seen
+            self._dropped += 1
+            return
         self._taken += 1
         if idle:
             self._arm()
