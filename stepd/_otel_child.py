@@ -40,8 +40,9 @@ log = logging.getLogger("stepd.otel")
 READ_BYTES = 1 << 20
 """At most this much is read per wake-up (the daemon's pipe holds about as much)."""
 READ_EVERY_S = 0.2
-"""The child reads at most this often: it wakes fewer times, each with more to do (what
-arrives meanwhile waits in the pipe, and past it in the daemon's buffer, both bounded)."""
+"""After a read that emptied the pipe the child naps this long: it wakes fewer times, each
+with more to do (what arrives meanwhile waits in the pipe, and past it in the daemon's
+buffer, both bounded). A read that filled `READ_BYTES` is followed by the next at once."""
 
 
 def unpacker() -> Any:
@@ -139,8 +140,9 @@ def serve(url: str, batch: int, delay_s: float, stream: int, counts: Counters) -
                 time.sleep(nap)
             wait = None if not pending else max(0.0, oldest + delay_s - time.monotonic())
             if select.select([stream], [], [], wait)[0]:
-                last_read = time.monotonic()
                 data = os.read(stream, READ_BYTES)
+                # A full read may have left more behind: read on at once, no nap.
+                last_read = time.monotonic() if len(data) < READ_BYTES else 0.0
                 ended = not data
                 writes.feed(data)
                 for run_id, fields, journal, leases, lease_status in writes:

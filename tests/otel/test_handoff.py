@@ -152,3 +152,34 @@ def test_a_child_that_died_costs_counted_drops_and_never_an_exception() -> None:
     assert (stats.queued, stats.dropped, stats.exported) == (0, 5, 0)
     export.close()
     assert export.statistics().dropped == 5
+
+
+def test_a_write_larger_than_the_pipe_crosses_whole_in_pieces() -> None:
+    """A step output of 3 MiB (three pipes' worth): each period's write takes what the pipe
+    holds, the rest waits packed, and the child reads on until the write is whole."""
+    import asyncio
+
+    big = finished_run(1)
+    big.journal.insert(0, {"seq": 1, "type": "step_completed", "at": 1_004, "step_id": "s",
+                           "attempt": 1, "fence": 1, "lease_id": "l_1", "worker_id": "w",
+                           "output": "x" * (3 << 20)})
+
+    async def main(url: str) -> SpanExport:
+        export = SpanExport(url)
+        export.start()
+        export.committed(big)
+        export.committed(finished_run(2))
+        for _ in range(200):  # bounded: 10 s
+            await asyncio.sleep(0.05)
+            if export.statistics().exported == 3:  # r_1's run and attempt, r_2's run
+                break
+        assert export.statistics().dropped == 0
+        export.stop()
+        await asyncio.to_thread(export.close)
+        return export
+
+    with otlp_sink() as sink:
+        export = asyncio.run(main(sink.url))
+        assert export.statistics().exported == 3
+        assert sorted(s.attributes["stepd.run_id"] for s in sink.snapshot()) == [
+            "r_1", "r_1", "r_2"]
