@@ -1,17 +1,16 @@
-"""The span export's child process: ``python -m stepd._otel_child URL BATCH`` (docs/otel.md).
+"""The span export's child: ``python -m stepd._otel_child URL BATCH DELAY_S FD`` (docs/otel.md).
 
-Started and stopped by `stepd.otel.SpanExport`, which writes frames to its
-standard input: a 4-byte big-endian length, then one or more msgpack arrays
-of committed run writes, each ``[run_id, record or nil, journal, leases,
-lease_status]`` as the daemon committed them (the record only when the write
-ends the run). For each frame it builds the spans (`TraceBuilder`), encodes
-them as OTLP protobuf (`stepd._otlp_proto`) and sends them to ``URL`` in
-requests of at most ``BATCH`` spans through OpenTelemetry's
-``OTLPSpanExporter`` (its HTTP client: ``OTEL_EXPORTER_OTLP_HEADERS``,
-``..._TIMEOUT``, ``..._COMPRESSION``, ``..._CERTIFICATE`` and the rest), then
-answers one line on standard output: ``exported failed forgotten``, totals
-so far. At the end of its input it shuts the exporter down, answers once
-more and exits; when the daemon dies, its input ends too.
+Started and stopped by `stepd.otel.SpanExport`, which writes the committed
+run writes to its standard input as a stream (`stepd._otel_wire`). It reads
+whatever has arrived, builds the spans (`TraceBuilder`), and sends them,
+encoded as OTLP protobuf (`stepd._otlp_proto`), to ``URL`` through
+OpenTelemetry's ``OTLPSpanExporter`` (its HTTP client:
+``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``, ``..._COMPRESSION``,
+``..._CERTIFICATE`` and the rest): a request as soon as ``BATCH`` spans are
+waiting, else once the oldest has waited ``DELAY_S``. Its counts go into the
+shared file ``FD`` (`stepd._otel_wire.Counters`). At the end of its input it
+sends what it holds, shuts the exporter down and exits; when the daemon
+dies, its input ends too.
 
 Why a process, and why the daemon sends whole writes: see `stepd.otel`. Its
 logs (the exporter's failures) go to standard error, which is the daemon's.
@@ -21,28 +20,46 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import select
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO, TextIO
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
+from stepd._otel_wire import DONE, EXPORTED, FAILED, FORGOTTEN, RECEIVED, RUN_FIELDS, Counters
 from stepd.sansio.trace import SpanData
 
-__all__ = ["sender", "serve", "writes_of"]
+__all__ = ["sender", "serve", "unpacker", "writes_of"]
 
 log = logging.getLogger("stepd.otel")
 
+READ_BYTES = 1 << 20
+"""At most this much is read per wake-up (the daemon's pipe holds about as much)."""
+READ_EVERY_S = 0.2
+"""After a read that emptied the pipe the child naps this long: it wakes fewer times, each
+with more to do (what arrives meanwhile waits in the pipe, and past it in the daemon's
+buffer, both bounded). A read that filled `READ_BYTES` is followed by the next at once."""
 
-def writes_of(frame: bytes) -> list[Any]:
-    """The run writes of one frame (the arrays it holds, in order)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(frame) + 1)
-    unpacker.feed(frame)
-    out: list[Any] = []
-    for chunk in unpacker:
-        out.extend(chunk)
-    return out
+
+def unpacker() -> Any:
+    """An unpacker of the stream: whatever bytes arrived, fed as they came."""
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=0)
+
+
+def writes_of(data: bytes) -> list[Any]:
+    """The run writes of a piece of the stream, in order (for tests)."""
+    u = unpacker()
+    u.feed(data)
+    return list(u)
+
+
+def record_of(fields: Sequence[Any] | None) -> dict[str, Any]:
+    """The run fields a write carries (once its run ended) as the record `TraceBuilder` reads."""
+    return {} if fields is None else dict(zip(RUN_FIELDS, fields))
 
 
 def sender(exporter: Any, *, direct: bool = True) -> Callable[[Sequence[SpanData]], bool]:
@@ -88,8 +105,8 @@ def sender(exporter: Any, *, direct: bool = True) -> Callable[[Sequence[SpanData
     return send_sdk
 
 
-def serve(url: str, batch: int, frames: BinaryIO, answers: TextIO) -> None:
-    """Export every frame of ``frames``; answer each on ``answers``."""
+def serve(url: str, batch: int, delay_s: float, stream: int, counts: Counters) -> None:
+    """Export what arrives on the descriptor ``stream`` until it ends; count into ``counts``."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     from stepd.sansio.trace import TraceBuilder
@@ -97,28 +114,55 @@ def serve(url: str, batch: int, frames: BinaryIO, answers: TextIO) -> None:
     exporter = OTLPSpanExporter(endpoint=url)
     send = sender(exporter)
     builder = TraceBuilder()
-    exported = failed = 0
+    writes = unpacker()
+    pending: list[SpanData] = []
+    oldest = 0.0  # when the oldest pending span arrived
+    received = exported = failed = 0
+
+    def flush(upto: int) -> None:
+        nonlocal exported, failed
+        for i in range(0, upto, batch):
+            chunk = pending[i:min(i + batch, upto)]
+            if send(chunk):
+                exported += len(chunk)
+            else:
+                failed += len(chunk)
+            counts[EXPORTED], counts[FAILED] = exported, failed
+        del pending[:upto]
+
     try:
-        while True:
-            head = frames.read(4)
-            if len(head) < 4:
-                break
-            spans: list[SpanData] = []
-            for run_id, record, journal, leases, lease_status in writes_of(
-                    frames.read(int.from_bytes(head, "big"))):
-                spans.extend(builder.feed(run_id, record or {}, journal, leases, lease_status))
-            for i in range(0, len(spans), batch):
-                chunk = spans[i:i + batch]
-                if send(chunk):
-                    exported += len(chunk)
-                else:
-                    failed += len(chunk)
-            answers.write(f"{exported} {failed} {builder.forgotten}\n")
-            answers.flush()
+        ended = False
+        last_read = 0.0
+        while not ended:
+            nap = min(last_read + READ_EVERY_S,
+                      oldest + delay_s if pending else math.inf) - time.monotonic()
+            if nap > 0:
+                time.sleep(nap)
+            wait = None if not pending else max(0.0, oldest + delay_s - time.monotonic())
+            if select.select([stream], [], [], wait)[0]:
+                data = os.read(stream, READ_BYTES)
+                # A full read may have left more behind: read on at once, no nap.
+                last_read = time.monotonic() if len(data) < READ_BYTES else 0.0
+                ended = not data
+                writes.feed(data)
+                for run_id, fields, journal, leases, lease_status in writes:
+                    received += 1
+                    spans = builder.feed(run_id, record_of(fields), journal, leases,
+                                         lease_status)
+                    if spans and not pending:
+                        oldest = time.monotonic()
+                    pending.extend(spans)
+                counts[RECEIVED] = received
+                counts[FORGOTTEN] = builder.forgotten
+            if len(pending) >= batch:
+                flush(len(pending) - len(pending) % batch)
+                oldest = time.monotonic()  # what is left arrived in this read, or just before
+            if pending and (ended or time.monotonic() >= oldest + delay_s):
+                flush(len(pending))
+            if not pending:
+                counts[DONE] = received
     finally:
         exporter.shutdown()  # type: ignore[no-untyped-call]  # the SDK leaves it untyped
-    answers.write(f"{exported} {failed} {builder.forgotten}\n")
-    answers.flush()
 
 
 def main() -> None:
@@ -128,8 +172,10 @@ def main() -> None:
         os.nice(10)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s (span export): %(message)s")
-    url, batch = sys.argv[1], int(sys.argv[2])
-    serve(url, max(1, batch), sys.stdin.buffer, sys.stdout)
+    url, batch, delay_s, fd = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    counts = Counters(fd)
+    os.close(fd)  # the map holds its own
+    serve(url, max(1, batch), max(0.0, delay_s), sys.stdin.fileno(), counts)
 
 
 if __name__ == "__main__":

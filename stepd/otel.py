@@ -10,42 +10,47 @@ runs at all: no work per step.
 
 Where the work happens, and why:
 
-* On the event loop, `SpanExport.committed`: one length check and one
-  ``deque.append`` per committed run write. The queue is bounded
-  (`MAX_QUEUE`); when it is full the write is dropped and counted
+* On the event loop, `SpanExport.committed`: the write packed as it was
+  committed, whole (journal entries and lease records; of the run record
+  only a run span's fields, and only once the run has ended), by one msgpack
+  call in C, onto a byte buffer; nothing of the write is kept. At most every
+  `FLUSH_S` (a timer armed by the first write of a period), or at
+  `FLUSH_BYTES`, the buffer goes down the pipe to the child in one
+  non-blocking ``os.write``; what a full pipe does not take waits in the
+  buffer for the next flush. The writes the child has not read are bounded
+  (`MAX_QUEUE`): past that a write is dropped and counted
   (`ExportStats.dropped`), never waited for.
-* On the export's thread: every ``OTEL_BSP_SCHEDULE_DELAY`` (or sooner, at
-  `WAKE_AT` queued writes) it takes what is queued and packs the writes as
-  they were committed, whole (journal entries and lease records; of the run
-  record only a run span's fields, and only when the write ends the run),
-  with msgpack in chunks of `PACK_CHUNK` writes, one frame down a pipe; then
-  it waits for the frame's answer. One Python call per write (`_wire`),
-  none per entry or span: the entries are packed in C
-  (``tests/otel/test_handoff_cost.py`` counts it). One frame in flight: a
-  slow collector backs up into the bounded queue, where it is counted, not
-  into memory.
+* No thread of its own. An earlier version queued the writes themselves for
+  an export thread that woke every second and packed them: the writes lived
+  that second, long enough to survive the young generation, so every
+  collection of the older one walked them again (on the event loop's thread),
+  and packing took the GIL the event loop wanted. ``python -m
+  bench.otel_cost`` counts both (docs/otel.md, "Waking rarely").
 * In a child process (`stepd._otel_child`, started and stopped with the
-  export, by PID): the `TraceBuilder`, the protobuf encoding
+  export, by PID, at nice 10): the `TraceBuilder`, the protobuf encoding
   (`stepd._otlp_proto`, written directly: a fifth of the SDK's CPU per
   span) and the sending, by OpenTelemetry's ``OTLPSpanExporter``'s own HTTP
   client (which honours ``OTEL_EXPORTER_OTLP_HEADERS``, ``..._TIMEOUT``,
   ``..._COMPRESSION``, ``..._CERTIFICATE`` and their ``..._TRACES_...``
-  forms). Done in the daemon's process, building and encoding spans took the
-  GIL from the event loop; in its own process it runs on the other core, at
-  nice 10. docs/otel.md, "What export costs", has the counts.
+  forms), in requests of ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` spans at most
+  ``OTEL_BSP_SCHEDULE_DELAY`` after their write arrived. It reports its counts
+  in a small shared file (`_Counters`), so that nothing in the daemon waits
+  for or reads an answer.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +60,7 @@ import anyio
 import anyio.to_thread
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
+from stepd._otel_wire import DONE, EXPORTED, FAILED, FORGOTTEN, RECEIVED, RUN_FIELDS, Counters
 from stepd.sansio.errors import Invalid
 from stepd.sansio.trace import RUN_ENDS
 
@@ -66,15 +72,23 @@ INSTALL_HINT = "pip install 'stepd[otel]'"
 """What to install for export (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)."""
 
 MAX_QUEUE = 65_536
-"""Writes waiting for the export thread; past it, writes are dropped and counted."""
-WAKE_AT = 1_024
-"""Queued writes that wake the export thread before its delay is up."""
+"""Writes handed over that the child has not read yet; past it, writes are dropped and counted."""
+FLUSH_S = 0.1
+"""How long packed writes wait on the event loop before one write down the pipe."""
+FLUSH_BYTES = 256 << 10
+"""Packed bytes that go down the pipe at once, without waiting for `FLUSH_S`."""
+PIPE_BYTES = 1 << 20
+"""The pipe's capacity asked for (Linux ``F_SETPIPE_SZ``; best effort): a second of B's writes."""
 DEFAULT_DELAY_S = 1.0
-"""How long the export thread waits between drains (``OTEL_BSP_SCHEDULE_DELAY``, ms, overrides)."""
+"""How long a span waits in the child for more (``OTEL_BSP_SCHEDULE_DELAY``, ms, overrides)."""
 DEFAULT_BATCH = 512
 """Spans per OTLP request (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` overrides)."""
 CLOSE_TIMEOUT_S = 10.0
 """How long closing waits for what is queued to be sent."""
+
+#: The record's status once its run has ended: only then does a write carry the run's fields.
+_ENDED = frozenset(RUN_ENDS.values())
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def traces_url(endpoint: str) -> str:
@@ -131,8 +145,11 @@ class ExportStats:
     """What the export did so far (``/metrics``: ``stepd_otel_*``).
 
     Attributes:
-        queued: writes waiting for the export thread now.
-        dropped: writes dropped because the queue was full (their spans are lost).
+        queued: writes handed over that the child has not read yet (packed and
+            waiting on the event loop, or in the pipe); the child sends a
+            span at most ``OTEL_BSP_SCHEDULE_DELAY`` after reading it.
+        dropped: writes dropped because `MAX_QUEUE` were queued, or the child
+            was gone, or the export was closing (their spans are lost).
         exported: spans the collector accepted.
         failed: spans whose request failed (after the exporter's own retries).
         forgotten: attempts whose offer the builder forgot (too many open at once).
@@ -145,35 +162,14 @@ class ExportStats:
     forgotten: int
 
 
-#: Writes packed per msgpack call: the export thread lets go of the GIL between them.
-PACK_CHUNK = 256
-#: A frame stops taking writes past this size (step outputs cross whole: a few large ones
-#: must not make one frame of gigabytes).
-FRAME_BYTES = 16 << 20
-
-
-#: The run record's fields a run span is made of.
-_RUN_FIELDS = ("workflow", "version", "hash", "created_at", "correlation", "idempotency_key",
-               "parent", "input_tokens", "output_tokens", "cost_usd")
-
-
-def _wire(write: Any) -> tuple[Any, ...]:
-    """A write as the child reads it: its journal and lease records as committed, whole (one
-    C call packs them); of the run record, only a run span's fields, only when it ends."""
-    journal = write.journal
-    record = None
-    for entry in journal:
-        if entry.get("type") in RUN_ENDS:
-            record = {k: write.record.get(k) for k in _RUN_FIELDS}
-            break
-    return (write.run_id, record, journal, write.leases, write.lease_status)
-
-
 class SpanExport:
-    """The daemon's span export: a bounded hand-off, a thread, a child process (see above).
+    """The daemon's span export: a packed hand-off and a child process (see above).
 
-    Open with `open_export` (or `start` and `close`). `committed` is the
-    `stepd.actors.daemon.services.TraceSink` the run actors call.
+    Open with `open_export` (or `start`, then `stop` and `close`).
+    `committed` is the `stepd.actors.daemon.services.TraceSink` the run
+    actors call, on the event loop's thread (the thread that calls `start`;
+    outside an event loop each write goes down the pipe at once, as nothing
+    would come back to flush it).
 
     Args:
         endpoint: the collector (see `traces_url`).
@@ -190,125 +186,154 @@ class SpanExport:
         self._delay_s = _env_number("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_S * 1000) / 1000
         self._batch = int(_env_number("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH))
         self._max_queue = max_queue
-        self._queue: collections.deque[Any] = collections.deque()
-        self._wake = threading.Event()
-        self._closing = False
-        self._thread: threading.Thread | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = bytearray()
+        self._pack = msgpack.Packer(default=str).pack
+        self._counters, self._counters_fd = Counters.create()
+        self._seen = self._counters.view  # read per write: a subscript, no call
+        self._taken = 0  # writes packed onto the buffer, in all
         self._dropped = 0
-        self._exported = 0
-        self._failed = 0
-        self._forgotten = 0
+        self._accepting = True
+        self._armed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     # -- the event loop's side ------------------------------------------------------------
 
     def committed(self, write: Any) -> None:
-        """Hand over a committed `RunWrite` (see `TraceSink`): never blocks, never raises."""
-        queue = self._queue
-        n = len(queue)
-        if n >= self._max_queue:
+        """Hand over a committed `RunWrite` (see `TraceSink`): never blocks, never raises.
+
+        Packs it whole in one C call and keeps nothing of it: a write held
+        until a thread got to it lived long enough for the collector to
+        walk it again and again (see the module docstring).
+        """
+        if self._taken - self._seen[RECEIVED] >= self._max_queue or not self._accepting:
             self._dropped += 1
             return
-        queue.append(write)
-        if n == WAKE_AT:
-            self._wake.set()
+        record = write.record
+        buf = self._buf
+        idle = not buf
+        try:
+            buf += self._pack((write.run_id,
+                               tuple(map(record.get, RUN_FIELDS))
+                               if record.get("status") in _ENDED else None,
+                               write.journal, write.leases, write.lease_status))
+        except (TypeError, ValueError, OverflowError):  # the storage encoded it: never seen
+            self._dropped += 1
+            return
+        self._taken += 1
+        if idle:
+            self._arm()
+        elif len(buf) >= FLUSH_BYTES:
+            self._flush()
 
     def statistics(self) -> ExportStats:
-        return ExportStats(queued=len(self._queue), dropped=self._dropped,
-                           exported=self._exported, failed=self._failed,
-                           forgotten=self._forgotten)
+        c = self._counters
+        return ExportStats(queued=max(0, self._taken - c[RECEIVED]), dropped=self._dropped,
+                           exported=c[EXPORTED], failed=c[FAILED], forgotten=c[FORGOTTEN])
+
+    def _arm(self) -> None:
+        """Flush in `FLUSH_S` (once per period, whatever arrives meanwhile)."""
+        if self._loop is None:
+            self._flush()
+        elif not self._armed:
+            self._armed = True
+            self._loop.call_later(FLUSH_S, self._tick)
+
+    def _tick(self) -> None:
+        self._armed = False
+        self._flush()
+        if self._buf and self._accepting:
+            self._arm()  # what the pipe did not take: the next period
+
+    def _flush(self) -> None:
+        """One non-blocking write of what is packed; a full pipe leaves the rest for later."""
+        buf, fd = self._buf, self._fd
+        if not buf or fd is None or not self._accepting:
+            return
+        try:
+            n = os.write(fd, buf)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._gone(exc)
+            return
+        del buf[:n]
+
+    def _gone(self, exc: BaseException) -> None:
+        """The child died: what it had not sent is lost, counted; later writes are dropped."""
+        self._accepting = False
+        self._buf.clear()
+        done = self._counters[DONE]
+        self._dropped += self._taken - done
+        self._taken = done
+        log.error("stepd: the span export process is gone (%r); spans are no longer "
+                  "exported", exc)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the child process and the thread that feeds it."""
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "stepd._otel_child", self.url, str(self._batch)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._thread = threading.Thread(target=self._main, name="stepd-otel-export", daemon=True)
-        self._thread.start()
+        """Start the child; writes packed before go to it now."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        proc = self._proc = subprocess.Popen(
+            [sys.executable, "-m", "stepd._otel_child", self.url, str(self._batch),
+             str(self._delay_s), str(self._counters_fd)],
+            stdin=subprocess.PIPE, pass_fds=(self._counters_fd,))
+        os.close(self._counters_fd)  # the child has its own; the map holds ours
+        assert proc.stdin is not None
+        fd = proc.stdin.fileno()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        os.set_blocking(fd, False)
+        self._fd = fd
+        if self._buf:
+            self._arm()
+
+    def stop(self) -> None:
+        """Take no more writes (count them as dropped); on the event loop's thread, before
+        `close` runs elsewhere: from here on only `close` touches what is packed."""
+        self._accepting = False
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Send what is queued (at most ``timeout_s``), then stop the thread and the child."""
-        self._closing = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("stepd: span export did not finish within %.0f s; %d writes unsent",
-                            timeout_s, len(self._queue))
-        proc = self._proc
-        if proc is None:
+        """Send what is packed and let the child send it on (at most ``timeout_s`` in all),
+        then stop it; past the time it is killed, and what it had not sent counts as
+        dropped."""
+        self._accepting = False
+        proc, fd = self._proc, self._fd
+        if proc is None or fd is None:
             return
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)  # only when the thread gave up on it
-            proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
-    # -- the export thread ----------------------------------------------------------------
-
-    def _main(self) -> None:
-        proc = self._proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        buf = self._buf
         try:
-            while True:
-                self._wake.wait(self._delay_s)
-                self._wake.clear()
-                closing = self._closing
-                if self._queue and not self._send(proc.stdin, proc.stdout):
-                    return
-                if closing and not self._queue:
+            while buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
-            proc.stdin.close()  # the child sends what it holds, answers, and exits
-            self._answer(proc.stdout)
-            proc.wait(CLOSE_TIMEOUT_S)
-        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
-            log.error("stepd: the span export process failed (%r); spans are no longer "
-                      "exported", exc)
-
-    def _frame(self) -> tuple[bytes, int]:
-        """Up to ``4 * WAKE_AT`` queued writes (fewer past `FRAME_BYTES`) as one frame (length,
-        then msgpack arrays of at most `PACK_CHUNK`), and how many it holds. Python per
-        write: `_wire`, no more."""
-        queue = self._queue
-        pack = msgpack.Packer(default=str).pack
-        parts = [b""]
-        taken = size = 0
-        while queue and taken < 4 * WAKE_AT and size < FRAME_BYTES:
-            chunk = [_wire(queue.popleft()) for _ in range(min(PACK_CHUNK, len(queue)))]
-            taken += len(chunk)
-            packed = pack(chunk)
-            size += len(packed)
-            parts.append(packed)
-        parts[0] = size.to_bytes(4, "big")
-        return b"".join(parts), taken
-
-    def _send(self, pipe: Any, answers: Any) -> bool:
-        """One frame of what is queued, then its answer. False: the child is gone."""
-        queue = self._queue
-        frame, taken = self._frame()
+                if select.select([], [fd], [], left)[1]:
+                    with contextlib.suppress(BlockingIOError):
+                        del buf[:os.write(fd, buf)]
+        except OSError as exc:  # the child is gone
+            log.error("stepd: the span export process is gone (%r)", exc)
+        if buf:
+            log.warning("stepd: span export did not take everything within %.0f s", timeout_s)
+            buf.clear()
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the child sends what it holds and exits
+        self._fd = None
         try:
-            pipe.write(frame)
-            pipe.flush()
-        except OSError as exc:
-            self._dropped += taken + len(queue)
-            queue.clear()
-            log.error("stepd: the span export process is gone (%r); spans are no longer "
-                      "exported", exc)
-            return False
-        return self._answer(answers)
-
-    def _answer(self, answers: Any) -> bool:
-        """Read the child's counts after a frame: ``exported failed forgotten`` (totals)."""
-        line = answers.readline()
-        if not line:
-            return False
-        exported, failed, forgotten = (int(x) for x in line.split())
-        self._exported, self._failed, self._forgotten = exported, failed, forgotten
-        return True
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("stepd: span export did not finish within %.0f s; stopping it",
+                        timeout_s)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        done = self._counters[DONE]
+        self._dropped += self._taken - done  # nothing unsent goes uncounted
+        self._taken = done
 
 
 @contextlib.asynccontextmanager
@@ -329,5 +354,6 @@ async def open_export(endpoint: str | None) -> AsyncIterator[SpanExport | None]:
     try:
         yield export
     finally:
+        export.stop()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(export.close)
