@@ -43,7 +43,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from stepd import _otel_context
-from stepd._bodies import Active, Body, Definition, Runner, call_in_thread
+from stepd._bodies import REPORTING, Active, Body, Definition, Runner, call_in_thread
 from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
     AlreadyApplied,
@@ -119,8 +119,14 @@ class LeaseProtocol(LeaseCalls):
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
-        """A lease arrived (from any channel): an idle runner takes it, else a new one."""
+        """A lease arrived (from any channel): the runner reporting in this task takes it
+        when its call returns (`stepd._bodies.REPORTING`), else an idle runner, else a new one."""
         self.running += 1
+        if self._daemon is not None:  # in process: the only channel that offers inside a call
+            reporting = REPORTING.get()
+            if reporting is not None and reporting.reporting and reporting.handoff is None:
+                reporting.handoff = lease
+                return
         idle = self._idle
         if idle:
             runner = idle.pop()
@@ -227,8 +233,22 @@ class LeaseProtocol(LeaseCalls):
         finally:
             self._runners -= 1
 
+    def _pass_on(self, runner: Runner) -> None:
+        """The lease handed to ``runner`` goes to another one: ``runner`` is not free yet."""
+        lease = runner.handoff
+        if lease is not None:
+            runner.handoff = None
+            self.running -= 1
+            self.accept(lease)
+
     async def _park(self, runner: Runner) -> bool:
         """Wait for the next lease (or job); False: this runner ends (the worker has finished)."""
+        lease = runner.handoff
+        if lease is not None:  # offered while this runner reported: taken without a wait
+            runner.handoff = None
+            runner.lease = lease
+            runner.holding = True
+            return True
         if self._done_running or self._runners > self.concurrency:
             return False
         waiter = runner.waiter = Waiter()
@@ -326,7 +346,7 @@ class LeaseProtocol(LeaseCalls):
     async def _after_body(self, runner: Runner, active: Active, outcome: tuple[Any, ...]) -> None:
         # `complete` never overtakes `started`: it waits for started's answer, or
         # (one WebSocket) follows it on the wire (`_call`'s `after`).
-        await self._report(active, outcome)
+        await self._report(active, outcome, runner if self._daemon is not None else None)
         self._release(runner, active)
 
     # -- started ----------------------------------------------------------------------

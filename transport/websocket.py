@@ -87,7 +87,7 @@ from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
 
-from ._json import JSON_ENCODER
+from ._json import check_json
 from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
@@ -125,7 +125,10 @@ _LEASE_OPS: Final = {
     "history": Operation.HISTORY,
     "session_renew": Operation.SESSION_RENEW, "session_close": Operation.SESSION_CLOSE,
 }
-_ENVELOPE: Final = frozenset({"op", "id", "lease_id", "session_id"})
+_TARGET_KEYS: Final = {
+    op: (("session_id", "lease_id") if op.text.startswith("session_") else ("lease_id", "session_id"))
+    for op in _LEASE_OPS.values()}
+"""Per call: the envelope key naming its target, and the other one (both left out of its body)."""
 _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
@@ -453,12 +456,13 @@ class WorkerConnection(FrameWriter):
             return "answer", None, error_frame(None, exc)
         op = frame.get("op")
         frame_id = frame.get("id")
-        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
+        # `type(x) is int`: `is_frame_id` without its call (msgpack and JSON give exact ints).
+        if op == "credit" and (frame_id is None or type(frame_id) is int):  # its id is optional
             return "credit", None, frame
         if op not in _LEASE_OPS and op not in ("register", "credit"):
             return "answer", None, error_frame(frame_id, Invalid(
                 "must be register, credit, a lease call or a session call", field="op"))
-        if not is_frame_id(frame_id):
+        if type(frame_id) is not int:
             return "answer", None, error_frame(None, Invalid("a request needs an integer id",
                                                               field="id"))
         return ("register" if op == "register" else "call"), frame_id, frame
@@ -473,7 +477,7 @@ class WorkerConnection(FrameWriter):
                 raise Invalid("the frame is not valid msgpack: "
                               f"{msgpack_problem(item, exc)}") from None
             try:
-                JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
+                check_json(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
                 raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
             return frame
@@ -591,11 +595,15 @@ class WorkerConnection(FrameWriter):
             token = _HELD.set(held)
             try:
                 # docs/affinity.md: session calls name their session, lease calls their lease.
-                name = "session_id" if op.text.startswith("session_") else "lease_id"
+                name, other = _TARGET_KEYS[op]
                 target = frame.get(name)
                 if type(target) is str:
-                    body: dict[str, Any] | None = {
-                        k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    # The frame minus its envelope is the body: the decoded frame is this
+                    # call's own, so it is trimmed in place (no copy, no comprehension).
+                    body: dict[str, Any] | None = frame
+                    del frame["op"], frame["id"], frame[name]
+                    if other in frame:
+                        del frame[other]
                     frame = None  # not kept while the answer waits for room in the queue
                     # The connection's worker: another worker's lease is unknown here.
                     reply = await protocol.handle(op, self.principal, target=target, body=body,

@@ -37,7 +37,7 @@ class _Daemon:
 
     DAEMON-FACING: these calls are the daemon's API as of this writing
     (``daemon.inprocess``, ``Daemon.attach`` and its `Connection`'s ``grant`` and
-    ``detach``, the session's `Outbox` protocol, ``copy_json``); rewire them here
+    ``detach``, the session's `Outbox` protocol, ``copy_out``); rewire them here
     when it changes.
     """
 
@@ -68,9 +68,9 @@ class _Daemon:
     @staticmethod
     def copy(lease: dict[str, Any]) -> dict[str, Any]:
         """The worker's own copy of a pushed lease (the daemon's dict is never shared)."""
-        from stepd.transport._json import copy_json
+        from stepd.transport._json import copy_out
 
-        return copy_json(lease)  # type: ignore[no-any-return]
+        return copy_out(lease)  # type: ignore[no-any-return]
 
     @staticmethod
     def daemon_error() -> type[BaseException]:
