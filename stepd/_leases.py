@@ -285,10 +285,11 @@ class LeaseProtocol(LeaseCalls):
         assert lease is not None
         lease_id = lease["lease_id"]
         run_id = lease["run_id"]
-        held = self._defs.get((lease.get("workflow"), lease.get("version")))  # type: ignore[arg-type]
+        # Required fields of a Lease (transport/openapi.json) are read by subscript.
+        held = self._defs.get((lease["workflow"], lease["version"]))
         body = None
-        if held is not None and lease.get("definition_hash") == held.definition_hash:
-            body = held.bodies.get(lease.get("body"))  # type: ignore[arg-type]
+        if held is not None and lease["definition_hash"] == held.definition_hash:
+            body = held.bodies.get(lease["body"])
         if body is None or self.stopping:
             problem = self._unservable(lease) if body is None \
                 else f"worker {self.name} is stopping"
@@ -314,7 +315,7 @@ class LeaseProtocol(LeaseCalls):
                 self._started_refused(active, exc)
                 await self._after_body(runner, active, _CANCELLED)
                 return
-        if lease.get("delivery") == "at_most_once":
+        if lease["delivery"] == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
             await self._started(active)
         elif self._fold_started:
@@ -430,11 +431,11 @@ class LeaseProtocol(LeaseCalls):
         elif nargs == 1:
             args = (ctx,)
         elif nargs == 2:
-            args = (ctx, lease.get("input"))
+            args = (ctx, lease["input"])
         else:
-            args = (ctx, lease.get("input"), lease.get("steps") or {})
+            args = (ctx, lease["input"], lease.get("steps") or {})
         # The daemon's trace, continued here when the application uses OpenTelemetry.
-        ctx._otel = _otel_context.parent_for(lease.get("trace_id"), lease.get("span_id"))
+        ctx._otel = _otel_context.parent_for(lease["trace_id"], lease["span_id"])
         if "session" in lease:  # a worker session's step: its holder restores resources first
             refused = await self._enter_session(lease)
             if refused is not None:

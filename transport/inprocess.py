@@ -40,9 +40,10 @@ from .protocol import NO_BODY, Operation, Protocol
 
 __all__ = ["InProcess"]
 
-_UNSCOPED: Final = frozenset({Operation.STARTED, Operation.HEARTBEAT, Operation.COMPLETE,
-                              Operation.FAIL})
-"""The lease calls: counted for the drain, not given a cancel scope (the module says why)."""
+_UNSCOPED: Final = {"started": Operation.STARTED, "heartbeat": Operation.HEARTBEAT,
+                    "complete": Operation.COMPLETE, "fail": Operation.FAIL}
+"""The lease calls by name (`InProcess.lease_call`): counted for the drain, not given a
+cancel scope (the module says why)."""
 
 
 class InProcess:
@@ -75,16 +76,34 @@ class InProcess:
             body = copy_in(body)
         if query:
             query = {k: v for k, v in query.items() if v is not None}
+        with self.protocol.tracking():
+            reply = await self.protocol.call(op, principal, target=target, query=query, body=body)
+        answer = reply.body
+        return copy_out(answer) if answer else {}
+
+    async def lease_call(self, op: str, lease_id: str,
+                         body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A worker's ``started``, ``heartbeat``, ``complete`` or ``fail``, by name.
+
+        What `_call` does, without a cancel scope (the module says why) and in one
+        frame: the worker's runner awaits this once per step (`stepd.channels.inprocess`).
+
+        Raises:
+            KeyError: ``op`` is not one of the four.
+        """
+        operation = _UNSCOPED[op]
         protocol = self.protocol
-        if op in _UNSCOPED:
-            protocol.call_begins()
-            try:
-                reply = await protocol.call(op, principal, target=target, body=body)
-            finally:
-                protocol.call_ends()
-        else:
-            with protocol.tracking():
-                reply = await protocol.call(op, principal, target=target, query=query, body=body)
+        try:
+            principal = protocol.authorize(operation, self.authorization)
+        except Forbidden as exc:
+            await protocol.refused(operation, exc, lease_id)
+            raise
+        protocol.call_begins()
+        try:
+            reply = await protocol.call(operation, principal, target=lease_id,
+                                        body=NO_BODY if body is None else copy_in(body))
+        finally:
+            protocol.call_ends()
         answer = reply.body
         return copy_out(answer) if answer else {}
 
@@ -100,21 +119,19 @@ class InProcess:
 
     async def started(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """``POST /v1/api/steps/{lease}/started``."""
-        return await self._call(Operation.STARTED, target=lease_id,
-                                body=NO_BODY if body is None else body)
+        return await self.lease_call("started", lease_id, body)
 
     async def heartbeat(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """``POST /v1/api/steps/{lease}/heartbeat`` -> ``{"lease_ttl_ms"}``."""
-        return await self._call(Operation.HEARTBEAT, target=lease_id,
-                                body=NO_BODY if body is None else body)
+        return await self.lease_call("heartbeat", lease_id, body)
 
     async def complete(self, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/api/steps/{lease}/complete`` (returns once durable)."""
-        return await self._call(Operation.COMPLETE, target=lease_id, body=body)
+        return await self.lease_call("complete", lease_id, body)
 
     async def fail(self, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/api/steps/{lease}/fail`` (returns once durable)."""
-        return await self._call(Operation.FAIL, target=lease_id, body=body)
+        return await self.lease_call("fail", lease_id, body)
 
     async def history(self, lease_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """``GET /v1/api/steps/{lease}/history`` (docs/affinity.md "Sticky execution")."""
