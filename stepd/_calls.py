@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.lowlevel
 
-from stepd._bodies import REPORTING, Active, Runner
+from stepd._bodies import Active, Runner
 from stepd._errors import (
     AlreadyApplied,
     Fenced,
@@ -214,8 +214,7 @@ class LeaseCalls:
                 if runner is None:
                     await self._call(op, lease_id, body,
                                      give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
-                else:
-                    token = REPORTING.set(runner)
+                else:  # `REPORTING` names the runner (`_after_body`); it takes offers now
                     runner.reporting = True
                     try:
                         await self._call(op, lease_id, body,
@@ -226,7 +225,6 @@ class LeaseCalls:
                         raise
                     finally:
                         runner.reporting = False
-                        REPORTING.reset(token)
             except (Invalid, Unencodable) as exc:
                 if op == "complete" and "local_steps" in body:
                     # Refused local records (the gate, or records the run does not

@@ -90,6 +90,7 @@ class LeaseProtocol(LeaseCalls):
     _active: dict[str, Active]
     _idle: list[Runner]
     _runners: int
+    _handoffs: int
     _done_running: bool
     _terminal_runs: collections.OrderedDict[str, float]
     _fatal: list[BaseException]
@@ -248,6 +249,7 @@ class LeaseProtocol(LeaseCalls):
             runner.handoff = None
             runner.lease = lease
             runner.holding = True
+            self._handoffs += 1
             return True
         if self._done_running or self._runners > self.concurrency:
             return False
@@ -347,8 +349,23 @@ class LeaseProtocol(LeaseCalls):
     async def _after_body(self, runner: Runner, active: Active, outcome: tuple[Any, ...]) -> None:
         # `complete` never overtakes `started`: it waits for started's answer, or
         # (one WebSocket) follows it on the wire (`_call`'s `after`).
-        await self._report(active, outcome, runner if self._daemon is not None else None)
-        self._release(runner, active)
+        if self._daemon is None:
+            await self._report(active, outcome)
+            self._release(runner, active)
+            return
+        # In process, a lease offered while this runner's `complete` is in flight (the
+        # run's next step), or when the slot it frees is granted back (the credit, in
+        # `_release`), is this runner's to take when it parks (`_bodies.REPORTING`).
+        token = REPORTING.set(runner)
+        try:
+            await self._report(active, outcome, runner)
+            runner.reporting = True
+            try:
+                self._release(runner, active)
+            finally:
+                runner.reporting = False
+        finally:
+            REPORTING.reset(token)
 
     # -- started ----------------------------------------------------------------------
 
