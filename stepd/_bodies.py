@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,15 +121,34 @@ class Active:
 class Runner:
     """One of the worker's long-lived lease tasks (at most ``concurrency`` of them)."""
 
-    __slots__ = ("active", "holding", "job", "lease", "scope", "waiter")
+    __slots__ = ("active", "handoff", "holding", "job", "lease", "reporting", "scope", "waiter")
 
     def __init__(self, lease: dict[str, Any] | None) -> None:
         self.lease = lease  # handed over by `accept`, taken by the runner
+        # A lease offered while this runner's `complete`/`fail` was in flight in this
+        # task (in process: the daemon offers the next step inside that call); taken
+        # when the runner parks, with no task switch (`REPORTING`).
+        self.handoff: dict[str, Any] | None = None
+        self.reporting = False  # that call is in flight (a task that copied the context
+        # while it was, e.g. one the daemon started inside it, must not hand off later)
         self.job: Active | None = None  # or a lease's `started` to send (unordered channels)
         self.active: Active | None = None
         self.holding = False  # counts in the worker's `running`
         self.scope: Any = None
         self.waiter: Waiter | None = None
+
+
+REPORTING: ContextVar[Runner | None] = ContextVar("stepd_reporting_runner", default=None)
+"""The runner whose `complete` or `fail` is in flight in this task (`LeaseCalls._final`).
+
+In process the daemon runs a call in the caller's task, and offers the run's next
+step inside the `complete` of the step before it (docs/architecture.md). A lease
+that arrives then (`LeaseProtocol.accept`) is handed to that runner, which takes
+it as soon as the call returns, in the same task step: no runner woken, no task
+switch, and the offer's write and the next `complete`'s write are staged in the
+same loop iteration, so the storage writer is woken once per step, not twice.
+Over a socket leases arrive in the reader's task, where this is None.
+"""
 
 
 def call_in_thread(fn: Callable[..., Any], args: tuple[Any, ...], ctx: StepContext) -> Any:

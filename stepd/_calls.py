@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.lowlevel
 
-from stepd._bodies import Active
+from stepd._bodies import Active, Runner
 from stepd._errors import (
     AlreadyApplied,
     Fenced,
@@ -74,6 +74,8 @@ class LeaseCalls:
         def _run_over(self, run_id: str) -> None: ...
 
         def _sticky_complete(self, active: Active, body: dict[str, Any]) -> None: ...
+
+        def _pass_on(self, runner: Runner) -> None: ...
 
 
     async def _call(self, op: str, lease_id: str, body: dict[str, Any], *,
@@ -170,7 +172,8 @@ class LeaseCalls:
 
     # ------------------------------------------------------------------ the report
 
-    async def _report(self, active: Active, outcome: tuple[Any, ...]) -> None:
+    async def _report(self, active: Active, outcome: tuple[Any, ...],
+                      runner: Runner | None = None) -> None:
         ctx = active.ctx
         reason = ctx._cancel_reason
         if active.reported or reason in LOST_REASONS:
@@ -190,11 +193,17 @@ class LeaseCalls:
         else:
             op, body = "fail", {"error": {
                 "class": "fatal", "message": "the body raised stepd.Cancelled unprompted"}}
-        await self._final(active, ctx.lease_id, ctx.run_id, op, body)
+        await self._final(active, ctx.lease_id, ctx.run_id, op, body, runner)
 
     async def _final(self, active: Active | None, lease_id: str, run_id: str, op: str,
-                     body: dict[str, Any]) -> None:
-        """Send ``complete``/``fail`` and answer the outcome by PROTOCOL.md's table."""
+                     body: dict[str, Any], runner: Runner | None = None) -> None:
+        """Send ``complete``/``fail`` and answer the outcome by PROTOCOL.md's table.
+
+        ``runner``: the runner reporting its lease, which takes a lease offered during
+        this call when it answers (`stepd._bodies.REPORTING`); anything but that
+        answer (an error, a conflict, a cancellation) passes the lease on at once,
+        since the runner may have more calls to make before it is free.
+        """
         after = active
         if active is not None and active.started_state == 3:
             active.started_state = 2  # `started` goes in this call
@@ -202,8 +211,20 @@ class LeaseCalls:
             after = None
         try:
             try:
-                await self._call(op, lease_id, body, give_up_s=max(30.0, 2 * self._lease_ttl_s),
-                                 after=after)
+                if runner is None:
+                    await self._call(op, lease_id, body,
+                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                else:  # `REPORTING` names the runner (`_after_body`); it takes offers now
+                    runner.reporting = True
+                    try:
+                        await self._call(op, lease_id, body,
+                                         give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                    except BaseException:
+                        runner.reporting = False
+                        self._pass_on(runner)
+                        raise
+                    finally:
+                        runner.reporting = False
             except (Invalid, Unencodable) as exc:
                 if op == "complete" and "local_steps" in body:
                     # Refused local records (the gate, or records the run does not

@@ -43,7 +43,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from stepd import _otel_context
-from stepd._bodies import Active, Body, Definition, Runner, call_in_thread
+from stepd._bodies import REPORTING, Active, Body, Definition, Runner, call_in_thread
 from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
     AlreadyApplied,
@@ -90,6 +90,7 @@ class LeaseProtocol(LeaseCalls):
     _active: dict[str, Active]
     _idle: list[Runner]
     _runners: int
+    _handoffs: int
     _done_running: bool
     _terminal_runs: collections.OrderedDict[str, float]
     _fatal: list[BaseException]
@@ -119,8 +120,14 @@ class LeaseProtocol(LeaseCalls):
     # ------------------------------------------------------------------ leases in
 
     def accept(self, lease: dict[str, Any]) -> None:
-        """A lease arrived (from any channel): an idle runner takes it, else a new one."""
+        """A lease arrived (from any channel): the runner reporting in this task takes it
+        when its call returns (`stepd._bodies.REPORTING`), else an idle runner, else a new one."""
         self.running += 1
+        if self._daemon is not None:  # in process: the only channel that offers inside a call
+            reporting = REPORTING.get()
+            if reporting is not None and reporting.reporting and reporting.handoff is None:
+                reporting.handoff = lease
+                return
         idle = self._idle
         if idle:
             runner = idle.pop()
@@ -227,8 +234,23 @@ class LeaseProtocol(LeaseCalls):
         finally:
             self._runners -= 1
 
+    def _pass_on(self, runner: Runner) -> None:
+        """The lease handed to ``runner`` goes to another one: ``runner`` is not free yet."""
+        lease = runner.handoff
+        if lease is not None:
+            runner.handoff = None
+            self.running -= 1
+            self.accept(lease)
+
     async def _park(self, runner: Runner) -> bool:
         """Wait for the next lease (or job); False: this runner ends (the worker has finished)."""
+        lease = runner.handoff
+        if lease is not None:  # offered while this runner reported: taken without a wait
+            runner.handoff = None
+            runner.lease = lease
+            runner.holding = True
+            self._handoffs += 1
+            return True
         if self._done_running or self._runners > self.concurrency:
             return False
         waiter = runner.waiter = Waiter()
@@ -265,10 +287,11 @@ class LeaseProtocol(LeaseCalls):
         assert lease is not None
         lease_id = lease["lease_id"]
         run_id = lease["run_id"]
-        held = self._defs.get((lease.get("workflow"), lease.get("version")))  # type: ignore[arg-type]
+        # Required fields of a Lease (transport/openapi.json) are read by subscript.
+        held = self._defs.get((lease["workflow"], lease["version"]))
         body = None
-        if held is not None and lease.get("definition_hash") == held.definition_hash:
-            body = held.bodies.get(lease.get("body"))  # type: ignore[arg-type]
+        if held is not None and lease["definition_hash"] == held.definition_hash:
+            body = held.bodies.get(lease["body"])
         if body is None or self.stopping:
             problem = self._unservable(lease) if body is None \
                 else f"worker {self.name} is stopping"
@@ -294,7 +317,7 @@ class LeaseProtocol(LeaseCalls):
                 self._started_refused(active, exc)
                 await self._after_body(runner, active, _CANCELLED)
                 return
-        if lease.get("delivery") == "at_most_once":
+        if lease["delivery"] == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
             await self._started(active)
         elif self._fold_started:
@@ -326,8 +349,23 @@ class LeaseProtocol(LeaseCalls):
     async def _after_body(self, runner: Runner, active: Active, outcome: tuple[Any, ...]) -> None:
         # `complete` never overtakes `started`: it waits for started's answer, or
         # (one WebSocket) follows it on the wire (`_call`'s `after`).
-        await self._report(active, outcome)
-        self._release(runner, active)
+        if self._daemon is None:
+            await self._report(active, outcome)
+            self._release(runner, active)
+            return
+        # In process, a lease offered while this runner's `complete` is in flight (the
+        # run's next step), or when the slot it frees is granted back (the credit, in
+        # `_release`), is this runner's to take when it parks (`_bodies.REPORTING`).
+        token = REPORTING.set(runner)
+        try:
+            await self._report(active, outcome, runner)
+            runner.reporting = True
+            try:
+                self._release(runner, active)
+            finally:
+                runner.reporting = False
+        finally:
+            REPORTING.reset(token)
 
     # -- started ----------------------------------------------------------------------
 
@@ -410,11 +448,11 @@ class LeaseProtocol(LeaseCalls):
         elif nargs == 1:
             args = (ctx,)
         elif nargs == 2:
-            args = (ctx, lease.get("input"))
+            args = (ctx, lease["input"])
         else:
-            args = (ctx, lease.get("input"), lease.get("steps") or {})
+            args = (ctx, lease["input"], lease.get("steps") or {})
         # The daemon's trace, continued here when the application uses OpenTelemetry.
-        ctx._otel = _otel_context.parent_for(lease.get("trace_id"), lease.get("span_id"))
+        ctx._otel = _otel_context.parent_for(lease["trace_id"], lease["span_id"])
         if "session" in lease:  # a worker session's step: its holder restores resources first
             refused = await self._enter_session(lease)
             if refused is not None:

@@ -250,6 +250,7 @@ class Worker(Serving, Connections, LeaseProtocol, Heartbeats, WorkSessions, Loca
         self._active: dict[str, Active] = {}
         self._idle: list[Runner] = []
         self._runners = 0
+        self._handoffs = 0  # leases a runner took as its own call returned (`_bodies.REPORTING`)
         self._done_running = False
         self.running = 0
         self.stopping = False

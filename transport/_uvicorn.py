@@ -672,7 +672,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         parts: list[bytes] = []
         for frame in frames:
             binary = type(frame) is bytes
-            data = cast(bytes, frame) if binary else cast(str, frame).encode()
+            data: bytes = frame if binary else frame.encode()  # type: ignore[assignment,union-attr]
             n = len(data)
             if n < 126:
                 parts += (_SMALL_HEADS[not binary][n], data)

@@ -367,6 +367,17 @@ def parse_complete(body: Any) -> dict[str, Any]:
     """``CompleteRequest`` -> the engine's complete body (``output, state_patch, usage, spans``,
     and ``local_steps``, ``sticky_cursor``, ``sticky_stats`` when given: checked here, gated
     by the lease actor, `stepd.sansio.capabilities`)."""
+    if type(body) is dict and body.keys() <= _PLAIN_COMPLETE:
+        # What nearly every step sends (``output``, a folded ``started``): the same
+        # checks and answer as below, in ~4 calls instead of ~25.
+        started = body.get("started", False)
+        if type(started) is not bool:
+            raise Invalid("must be a boolean", field="started")
+        plain: dict[str, Any] = {"output": body.get("output"), "state_patch": None,
+                                 "usage": None, "spans": []}
+        if started:
+            plain["started"] = True
+        return plain
     b = body if type(body) is dict else _body(body)
     if not _COMPLETE_KEYS.issuperset(b):
         _closed(b, _COMPLETE_KEYS, "")
@@ -402,6 +413,9 @@ def parse_complete(body: Any) -> dict[str, Any]:
     if sticky_stats is not None:
         out["sticky_stats"] = _sticky_stats(sticky_stats)
     return out
+
+
+_PLAIN_COMPLETE: Final = frozenset({"output", "started"})
 
 
 def _folded_started(b: dict[str, Any]) -> bool:

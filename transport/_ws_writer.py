@@ -31,6 +31,13 @@ CLOSE_TRY_AGAIN_LATER: Final = 1013
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+_pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+"""One packer for every connection (they all run on the loop's thread): `msgpack.packb`
+makes a packer per frame, a Python call and a 256 KiB buffer each time. It resets
+itself after each frame, and after a frame it could not encode."""
+_PACKER_KEEP: Final = 1 << 20
+"""A packer whose buffer grew past this for a large frame is replaced, not kept."""
+
 
 class Close:
     """The writer's last item: send a close frame and stop."""
@@ -154,8 +161,12 @@ class FrameWriter(abc.ABC):
 
     def _encode(self, frame: dict[str, Any]) -> tuple[bytes | str, int]:
         if self._binary:
-            data: bytes = msgpack.packb(frame, use_bin_type=True)
-            return data, len(data)
+            global _pack
+            data: bytes = _pack(frame)
+            n = len(data)
+            if n > _PACKER_KEEP:  # its buffer grew to fit: let it go
+                _pack = msgpack.Packer(use_bin_type=True).pack
+            return data, n
         text = encode_json(frame)
         return text.decode("utf-8"), len(text)
 

@@ -369,8 +369,11 @@ class Protocol:
         self._inflight += 1
 
     def call_ends(self) -> None:
-        """The call `call_begins` counted is over."""
-        self._call_done()
+        """The call `call_begins` counted is over (`_call_done`, written out: once per step)."""
+        self._inflight -= 1
+        if self._inflight == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     def _call_done(self) -> None:
         self._inflight -= 1

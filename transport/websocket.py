@@ -87,7 +87,7 @@ from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.session import FrameOrder
 
-from ._json import JSON_ENCODER
+from ._json import check_json
 from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
@@ -125,7 +125,10 @@ _LEASE_OPS: Final = {
     "history": Operation.HISTORY,
     "session_renew": Operation.SESSION_RENEW, "session_close": Operation.SESSION_CLOSE,
 }
-_ENVELOPE: Final = frozenset({"op", "id", "lease_id", "session_id"})
+_TARGET_KEYS: Final = {
+    op: (("session_id", "lease_id") if op.text.startswith("session_") else ("lease_id", "session_id"))
+    for op in _LEASE_OPS.values()}
+"""Per call: the envelope key naming its target, and the other one (both left out of its body)."""
 _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
@@ -212,28 +215,18 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.close", "code": 1008})
 
 
-class _Held:
-    """Leases this connection's session offers while one of its calls is handled in the
-    same task, queued only after that call's answer.
-
-    The next step is offered inside the run's turn, i.e. inside the `complete` call
-    of the step before it (docs/architecture.md "A step over the WebSocket"). Without
-    this, the worker would read the next `lease` before the `ok` of its `complete`;
-    PROTOCOL.md promises no order, but every worker written before the in-turn offer
-    saw the answer first, and a simple client that reads its answer as the next frame
-    would break. A context variable (a task's own) names the call; a task that copied
-    it after the call (``open`` False) is not held.
-    """
-
-    __slots__ = ("conn", "leases", "open")
-
-    def __init__(self, conn: WorkerConnection) -> None:
-        self.conn = conn
-        self.leases: list[dict[str, Any]] = []
-        self.open = True
-
-
-_HELD: ContextVar[_Held | None] = ContextVar("stepd_ws_held", default=None)
+# Leases this connection's session offers while one of its calls is handled in the
+# same task are queued only after that call's answer. The next step is offered
+# inside the run's turn, i.e. inside the `complete` call of the step before it
+# (docs/architecture.md "A step over the WebSocket"). Without this, the worker
+# would read the next `lease` before the `ok` of its `complete`; PROTOCOL.md
+# promises no order, but every worker written before the in-turn offer saw the
+# answer first, and a simple client that reads its answer as the next frame would
+# break. A context variable (a task's own) holds the call's list: the connection at
+# index 0 (None once the call is over, so a task that copied the context during
+# the call holds nothing after it), then the leases held. A list, not an object:
+# no constructor call per frame.
+_HELD: ContextVar[list[Any] | None] = ContextVar("stepd_ws_held", default=None)
 
 
 class WorkerConnection(FrameWriter):
@@ -266,6 +259,7 @@ class WorkerConnection(FrameWriter):
         # Frames of one lease are applied in arrival order (the session machine's
         # FrameOrder numbers them); the waits are here: a Waiter per frame in flight.
         self._order = FrameOrder()
+        # Only frames a later frame of their lease waits for have one (made by that frame).
         self._in_flight: dict[int, Waiter] = {}
         # The attachment to this worker's session actor (`Daemon.attach`): the
         # session pushes leases and cancels here (this connection is its Outbox).
@@ -453,12 +447,13 @@ class WorkerConnection(FrameWriter):
             return "answer", None, error_frame(None, exc)
         op = frame.get("op")
         frame_id = frame.get("id")
-        if op == "credit" and (frame_id is None or is_frame_id(frame_id)):  # its id is optional
+        # `type(x) is int`: `is_frame_id` without its call (msgpack and JSON give exact ints).
+        if op == "credit" and (frame_id is None or type(frame_id) is int):  # its id is optional
             return "credit", None, frame
         if op not in _LEASE_OPS and op not in ("register", "credit"):
             return "answer", None, error_frame(frame_id, Invalid(
                 "must be register, credit, a lease call or a session call", field="op"))
-        if not is_frame_id(frame_id):
+        if type(frame_id) is not int:
             return "answer", None, error_frame(None, Invalid("a request needs an integer id",
                                                               field="id"))
         return ("register" if op == "register" else "call"), frame_id, frame
@@ -473,7 +468,7 @@ class WorkerConnection(FrameWriter):
                 raise Invalid("the frame is not valid msgpack: "
                               f"{msgpack_problem(item, exc)}") from None
             try:
-                JSON_ENCODER.encode(frame)  # only JSON values cross into the daemon
+                check_json(frame)  # only JSON values cross into the daemon
             except (TypeError, ValueError) as exc:
                 raise Invalid(f"the frame holds a value JSON cannot carry: {exc}") from None
             return frame
@@ -510,9 +505,12 @@ class WorkerConnection(FrameWriter):
         lease_id = frame.get("lease_id")
         key = lease_id if type(lease_id) is str and len(lease_id) <= _MAX_LEASE_ID else None
         ticket, after = self._order.arrive(key)
-        before = self._in_flight.get(after) if after is not None else None
-        done = self._in_flight[ticket] = Waiter()
-        self._calls.append((frame_id, _LEASE_OPS[frame["op"]], frame, before, done, key, ticket))
+        before = None
+        if after is not None:  # `after` is still in flight: it sets this when it is done
+            before = self._in_flight.get(after)
+            if before is None:
+                before = self._in_flight[after] = Waiter()
+        self._calls.append((frame_id, _LEASE_OPS[frame["op"]], frame, before, key, ticket))
         if self._parked:
             self._parked.pop().set()
         else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
@@ -579,23 +577,26 @@ class WorkerConnection(FrameWriter):
         return {"op": "ok", "id": frame_id} if is_frame_id(frame_id) else None
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
-                          before: Waiter | None, done: Waiter, key: str | None,
-                          ticket: int) -> None:
+                          before: Waiter | None, key: str | None, ticket: int) -> None:
         assert frame is not None
         protocol = self.protocol
         try:
             if before is not None:
                 await before.wait()  # the lease's previous frame is applied first
             protocol.call_begins()  # counted for the drain; abort() cancels the whole connection
-            held = _Held(self)
+            held: list[Any] = [self]  # `_HELD`
             token = _HELD.set(held)
             try:
                 # docs/affinity.md: session calls name their session, lease calls their lease.
-                name = "session_id" if op.text.startswith("session_") else "lease_id"
+                name, other = _TARGET_KEYS[op]
                 target = frame.get(name)
                 if type(target) is str:
-                    body: dict[str, Any] | None = {
-                        k: v for k, v in frame.items() if k not in _ENVELOPE}
+                    # The frame minus its envelope is the body: the decoded frame is this
+                    # call's own, so it is trimmed in place (no copy, no comprehension).
+                    body: dict[str, Any] | None = frame
+                    del frame["op"], frame["id"], frame[name]
+                    if other in frame:
+                        del frame[other]
                     frame = None  # not kept while the answer waits for room in the queue
                     # The connection's worker: another worker's lease is unknown here.
                     reply = await protocol.handle(op, self.principal, target=target, body=body,
@@ -608,13 +609,16 @@ class WorkerConnection(FrameWriter):
                 await self._push(answer_frame(frame_id, reply))
             finally:
                 protocol.call_ends()
-                held.open = False
+                held[0] = None  # over: a task that copied the context holds nothing more
                 _HELD.reset(token)
-                for lease in held.leases:  # after the answer: see `_Held`
+                for lease in held[1:]:  # after the answer: see `_HELD`
                     self._queue_lease(lease)
         finally:
-            done.set()
-            del self._in_flight[ticket]
+            in_flight = self._in_flight
+            if ticket in in_flight:  # a later frame of this lease waits for this one
+                waiter = in_flight[ticket]
+                del in_flight[ticket]
+                waiter.set()
             self._order.done(key, ticket)
             self._limit.release()
 
@@ -644,8 +648,8 @@ class WorkerConnection(FrameWriter):
     def lease(self, lease: dict[str, Any]) -> bool:
         """Queue a lease (its credit bounds how many wait); False when the connection ends."""
         held = _HELD.get()
-        if held is not None and held.conn is self and held.open:
-            held.leases.append(lease)
+        if held is not None and held[0] is self:
+            held.append(lease)
             return True
         return self._queue_lease(lease)
 

@@ -15,7 +15,8 @@ rewire when the daemon's API changes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Final
 
 from stepd import _wire
 from stepd._errors import NotFound, translate
@@ -24,6 +25,8 @@ from stepd.channels import Channel, Credit, Host, Lost
 
 if TYPE_CHECKING:
     from stepd.embedded import Embedded
+
+_LEASE_CALLS: Final = frozenset({"started", "heartbeat", "complete", "fail"})
 
 __all__ = ["AsyncEmbedded", "InProcessChannel", "SyncEmbedded"]
 
@@ -37,7 +40,7 @@ class _Daemon:
 
     DAEMON-FACING: these calls are the daemon's API as of this writing
     (``daemon.inprocess``, ``Daemon.attach`` and its `Connection`'s ``grant`` and
-    ``detach``, the session's `Outbox` protocol, ``copy_json``); rewire them here
+    ``detach``, the session's `Outbox` protocol, ``copy_out``); rewire them here
     when it changes.
     """
 
@@ -49,6 +52,12 @@ class _Daemon:
     async def call(self, op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """One `InProcess` operation (``register``, ``started``, ``complete``...)."""
         return await getattr(self.daemon.inprocess, op)(*args, **kwargs)  # type: ignore[no-any-return]
+
+    def lease_call(self, op: str, lease_id: str,
+                   body: dict[str, Any]) -> Coroutine[Any, Any, dict[str, Any]]:
+        """``started``, ``heartbeat``, ``complete`` or ``fail`` (`InProcess.lease_call`):
+        its coroutine, awaited by the caller (one frame less per step)."""
+        return self.daemon.inprocess.lease_call(op, lease_id, body)
 
     async def attach(self, worker_id: str, outbox: Any) -> Any:
         """Attach `outbox` (lease/cancel/close) to the worker's session actor."""
@@ -68,9 +77,9 @@ class _Daemon:
     @staticmethod
     def copy(lease: dict[str, Any]) -> dict[str, Any]:
         """The worker's own copy of a pushed lease (the daemon's dict is never shared)."""
-        from stepd.transport._json import copy_json
+        from stepd.transport._json import copy_out
 
-        return copy_json(lease)  # type: ignore[no-any-return]
+        return copy_out(lease)  # type: ignore[no-any-return]
 
     @staticmethod
     def daemon_error() -> type[BaseException]:
@@ -109,7 +118,14 @@ class InProcessChannel(Channel):
         return await self._invoke("register", body)
 
     async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._invoke(op, lease_id, body)
+        if op not in _LEASE_CALLS:
+            return await self._invoke(op, lease_id, body)
+        try:  # `_invoke`, written out: once per step
+            return await self.daemon.lease_call(op, lease_id, body)
+        except self.daemon.daemon_error() as exc:
+            raise translate(exc) from None
+        except RuntimeError as exc:  # the daemon closed under us
+            raise Lost(str(exc)) from None
 
     async def session_call(self, op: str, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._invoke(op, session_id, body)

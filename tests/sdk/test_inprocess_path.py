@@ -1,0 +1,117 @@
+"""The embedded step's path (docs/architecture.md "A step in process"): values cross by
+copy without a JSON round trip, and the next step of a run, offered inside the
+`complete` of the step before it, goes to the runner that sent that `complete`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import stepd
+
+from .conftest import unique
+
+pytestmark = pytest.mark.anyio
+
+
+def _chain(n: int) -> stepd.Workflow:
+    wf = stepd.Workflow(unique("chain"))
+    for i in range(n):
+        acc: Any = 0 if i == 0 else f"${{steps.s{i - 1}}}"
+        wf.then("add", id=f"s{i}", input={"i": i, "acc": acc})
+    return wf
+
+
+async def add(ctx: stepd.StepContext, input: dict[str, int]) -> int:
+    return input["acc"] + input["i"]
+
+
+@pytest.mark.parametrize("concurrency", [None, 1])
+async def test_the_next_step_goes_to_the_runner_that_completed_the_last(
+        tmp_path: Path, concurrency: int | None) -> None:
+    """With the default concurrency a step is offered inside its predecessor's
+    `complete` and taken by that runner when its call returns. With one slot the
+    next step waits for the slot's credit, which the session takes on its own
+    turn: no hand-off. The journal is the same either way."""
+    wf = _chain(6)
+    knobs = {} if concurrency is None else {"concurrency": concurrency}
+    async with stepd.embedded(tmp_path / "data") as daemon:
+        client = stepd.AsyncClient(daemon)
+        worker = stepd.Worker(client, **knobs)
+        worker.register(wf, bodies={"add": add})
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            try:
+                run = await client.start(wf.name, None)
+                assert await run.result(timeout=20) == 15
+            finally:
+                worker.stop()
+        events = [e["type"] for e in await client.journal(run.run_id)
+                  if e["type"].startswith("step_")]
+    if concurrency is None:
+        # The first transition of a run may be the run actor's own turn (not the
+        # caller's task): its offer then wakes a runner as over a socket.
+        assert worker._handoffs >= 4
+    assert events == ["step_scheduled", "step_offered", "step_started", "step_completed"] * 6
+    assert worker.running == 0
+
+
+async def test_values_cross_by_copy_both_ways(tmp_path: Path) -> None:
+    """A body that changes its input, or the output it returned, changes nothing the
+    daemon holds: the next step and the result see what was sent."""
+    kept: list[Any] = []
+    wf = (stepd.Workflow(unique("copy"))
+          .then("grab", id="a", input={"xs": [1, 2], "m": {"k": "v"}})
+          .then("grab", id="b", input={"prev": "${steps.a}"}))
+
+    async def grab(ctx: stepd.StepContext, input: dict[str, Any]) -> Any:
+        out = {"seen": input, "list": [1, (2, 3)]}
+        kept.append(out)
+        if "xs" in input:
+            input["xs"].append(99)  # the lease's own copy
+            input["m"]["k"] = "changed"
+        return out
+
+    async with stepd.embedded(tmp_path / "data") as daemon:
+        client = stepd.AsyncClient(daemon)
+        worker = stepd.Worker(client)
+        worker.register(wf, bodies={"grab": grab})
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            try:
+                run = await client.start(wf.name, None)
+                result = await run.result(timeout=20)
+            finally:
+                worker.stop()
+        for out in kept:  # after the daemon took them
+            out["list"].append("late")
+            out["seen"]["late"] = True
+        again = await client.result(run.run_id, timeout=5)
+    first = {"seen": {"xs": [1, 2, 99], "m": {"k": "changed"}}, "list": [1, [2, 3]]}
+    assert result == again == {"seen": {"prev": first}, "list": [1, [2, 3]]}
+
+
+async def test_output_json_cannot_carry_fails_the_attempt_in_process(tmp_path: Path) -> None:
+    """The copy refuses what JSON refuses, as HTTP would: the attempt fails, naming why."""
+    wf = stepd.Workflow(unique("bad")).then("nan", id="a", retry=stepd.Retry(max_attempts=1))
+
+    async def nan(ctx: stepd.StepContext, input: Any) -> float:
+        return float("nan")
+
+    async with stepd.embedded(tmp_path / "data") as daemon:
+        client = stepd.AsyncClient(daemon)
+        worker = stepd.Worker(client)
+        worker.register(wf, bodies={"nan": nan})
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            try:
+                run = await client.start(wf.name, None)
+                with pytest.raises(stepd.RunFailed) as info:
+                    await run.result(timeout=20)
+            finally:
+                worker.stop()
+    assert "JSON" in str(info.value)
