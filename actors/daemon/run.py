@@ -24,6 +24,7 @@ them, effects) and `RunActor` here (messages, lifecycle, attempts' calls).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stepd.actors import ActorDead, ActorKilled, StartFailed
@@ -186,7 +187,12 @@ class RunActor(RunOffers):
 
     async def receive(self, message: Any) -> Any:
         try:
-            return await self._dispatch(message)
+            # One handler per message type (a dict, not an isinstance chain).
+            try:
+                handler = _HANDLERS[type(message)]
+            except KeyError:
+                raise TypeError(f"run actor: unexpected message {message!r}") from None
+            return await handler(self, message)
         finally:
             if self._passivable():
                 if self.indexed_due is not None:
@@ -232,50 +238,47 @@ class RunActor(RunOffers):
         due = m.next_deadline()
         return due is None or due > self.s.clock.time_ms()
 
-    async def _dispatch(self, message: Any) -> Any:
-        if isinstance(message, ApplyAttempt):
-            return await self._apply_attempt(message)
-        if isinstance(message, Offer):
-            return self._offer(message)
-        if isinstance(message, Due):
-            self._due.fired()
-            await self._handle(Tick())
-            return None
-        if isinstance(message, AttemptNote):
-            return await self._note(message)
-        if isinstance(message, Signal):
-            tr = self.machine.handle(SignalReceived(message.name, message.payload),
-                                     self.s.clock.time_ms())
-            # A refused signal journals its refusal; its audit entry (a 409) is
-            # the caller's to write, not this transaction's.
-            await self._commit(tr, audit=message.audit if tr.refused is None else None)
-            await self._effects(tr)
-            if tr.refused is not None:
-                raise SignalRefused(tr.refused[1])
-            return None
-        if isinstance(message, CancelRun):
-            await self._handle(Cancel(message.message), audit=message.audit)
-            return None
-        if isinstance(message, RetryRun):
-            tr = await self._handle(Retry(), audit=message.audit)
-            return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
-        if isinstance(message, InboxChanged):
-            await self._drain_inbox()
-            return None
-        if isinstance(message, Resync):
-            await self._ensure_leases()
-            self._announce()
-            await self._open_sessions(self.machine.runnable())
-            return None
-        if isinstance(message, SessionNote):
-            await self._handle(message.event)
-            return None
-        if isinstance(message, IdleCheck):
-            return None
-        if isinstance(message, History):
-            return self.machine.history(message.lease_id, message.step_id, message.item_index,
-                                        message.fence)
-        raise TypeError(f"run actor: unexpected message {message!r}")
+    async def _due_fired(self, message: Due) -> None:
+        self._due.fired()
+        await self._handle(Tick())
+
+    async def _signal(self, message: Signal) -> None:
+        tr = self.machine.handle(SignalReceived(message.name, message.payload),
+                                 self.s.clock.time_ms())
+        # A refused signal journals its refusal; its audit entry (a 409) is
+        # the caller's to write, not this transaction's.
+        await self._commit(tr, audit=message.audit if tr.refused is None else None)
+        await self._effects(tr)
+        if tr.refused is not None:
+            raise SignalRefused(tr.refused[1])
+
+    async def _cancel(self, message: CancelRun) -> None:
+        await self._handle(Cancel(message.message), audit=message.audit)
+
+    async def _retry(self, message: RetryRun) -> dict[str, Any]:
+        tr = await self._handle(Retry(), audit=message.audit)
+        return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
+
+    async def _inbox_changed(self, message: InboxChanged) -> None:
+        await self._drain_inbox()
+
+    async def _resync(self, message: Resync) -> None:
+        await self._ensure_leases()
+        self._announce()
+        await self._open_sessions(self.machine.runnable())
+
+    async def _session_note(self, message: SessionNote) -> None:
+        await self._handle(message.event)
+
+    async def _idle_check(self, message: IdleCheck) -> None:
+        return None  # only `receive`'s passivation check, after it
+
+    async def _history(self, message: History) -> dict[str, Any]:
+        return self.machine.history(message.lease_id, message.step_id, message.item_index,
+                                    message.fence)
+
+    async def _offer_asked(self, message: Offer) -> dict[str, Any] | None:
+        return self._offer(message)
 
     # ------------------------------------------------------------------ handlers
 
@@ -386,3 +389,19 @@ class RunActor(RunOffers):
                 tr = Transition()  # already terminal: just consume the message
             await self._commit(tr, inbox_done=[key])
             await self._effects(tr)
+
+
+_HANDLERS: dict[type, Callable[[RunActor, Any], Awaitable[Any]]] = {
+    ApplyAttempt: RunActor._apply_attempt,
+    Offer: RunActor._offer_asked,
+    Due: RunActor._due_fired,
+    AttemptNote: RunActor._note,
+    Signal: RunActor._signal,
+    CancelRun: RunActor._cancel,
+    RetryRun: RunActor._retry,
+    InboxChanged: RunActor._inbox_changed,
+    Resync: RunActor._resync,
+    SessionNote: RunActor._session_note,
+    IdleCheck: RunActor._idle_check,
+    History: RunActor._history,
+}

@@ -214,10 +214,10 @@ class _RunBase:
         f = self.record.frame
         if f is None or f.step_id != step_id:
             raise Fenced(f"step {step_id!r} is not the run's current step")
-        slot = f.slot(item_index)
-        if slot is None:
-            raise Fenced(f"slot {slot_key(step_id, item_index)} has no attempt in flight")
-        return f, slot
+        for slot in f.slots:  # `Frame.slot`, inlined: every attempt event looks its slot up
+            if slot.item_index == item_index:
+                return f, slot
+        raise Fenced(f"slot {slot_key(step_id, item_index)} has no attempt in flight")
 
     def _live_slot(self, step_id: str, item_index: int | None, fence: int) -> tuple[Frame, Slot]:
         f, slot = self._slot(step_id, item_index)

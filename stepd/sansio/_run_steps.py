@@ -13,7 +13,6 @@ from ._run_base import (
     MAX_IMMEDIATE_STEPS,
     MAX_RUN_ID_BYTES,
     _retry_of,
-    _RunBase,
     child_run_id,
 )
 from ._run_sessions import _RunSessions
@@ -76,7 +75,7 @@ class _RunSteps(_RunSessions):
             return None
         if isinstance(step, TaskStep):
             try:
-                rendered = render(step.input, self._ctx())
+                rendered = self.definition.input_renderer(step.id)(self._ctx())
             except TemplateError as exc:
                 return self._template_failure(step, exc, tr, now)
             f.slots.append(Slot(item_index=None, input=rendered, cost_units=step.cost_units,
@@ -122,9 +121,10 @@ class _RunSteps(_RunSessions):
             self._breach(("max_for_each_items", limit, len(items)), step.id, tr, now)
             return None
         inputs = []
+        renderer = self.definition.input_renderer(step.id)
         for i, item in enumerate(items):
             try:
-                inputs.append(render(step.input, self._ctx(item=item, item_index=i)))
+                inputs.append(renderer(self._ctx(item=item, item_index=i)))
             except TemplateError as exc:
                 return self._template_failure(step, exc, tr, now)
         f.total = len(items)
