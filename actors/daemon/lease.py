@@ -125,13 +125,19 @@ class LeaseActor(Actor):
             return
         self._arm()
 
-    def _end(self, reason: str | None) -> None:
-        """The lease is over: its session hears it (a cancel if `reason`), then stop."""
+    def _end(self, reason: str | None, *, told: bool = False) -> None:
+        """The lease is over: its session hears it (a cancel if `reason`), then stop.
+
+        `told`: the run told the session already, with this worker's next lease
+        (`Offered.ended`, in the commit that ended this one).
+        """
         rec = self.machine.record
         self.s.lease_touched.pop(rec.lease_id, None)
-        # Handled right here when the session is idle (its handler never waits):
-        # a lease ends on every step, and a dispatcher turn for this cost more.
-        peers.tell_now(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
+        if not told:
+            # Handled right here when the session is idle (its handler never waits):
+            # a lease ends on every step, and a dispatcher turn for this cost more.
+            peers.tell_now(self.s, f"/sessions/{rec.worker_id}",
+                           LeaseEnded(rec.lease_id, reason))
         self.stop()
 
     async def receive(self, message: Any) -> Any:
@@ -231,8 +237,8 @@ class LeaseActor(Actor):
             self._arm()
             return {}
         try:
-            await peers.ask_run(self.s, rec.run_id,
-                                ApplyAttempt(rec.lease_id, call.op, stored, event, started))
+            told = await peers.ask_run(self.s, rec.run_id,
+                                       ApplyAttempt(rec.lease_id, call.op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer
@@ -242,7 +248,7 @@ class LeaseActor(Actor):
             stats = body.get("sticky_stats") if call.op is Op.COMPLETE else None
             if stats is not None:
                 peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(stats))
-            self._end(None)
+            self._end(None, told=told is True)
         else:
             self._arm()
         return {}

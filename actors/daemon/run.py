@@ -289,7 +289,9 @@ class RunActor(RunOffers):
         await self._effects(tr)
         return tr
 
-    async def _apply_attempt(self, msg: ApplyAttempt) -> None:
+    async def _apply_attempt(self, msg: ApplyAttempt) -> bool | None:
+        """Apply a worker's call on a lease; True when the lease's end (its complete or
+        fail) was told to its session here, with the next lease (`Offered.ended`)."""
         now = self.s.clock.time_ms()
         if msg.op is Op.STARTED:
             self._sample_schedule_to_start(msg.event, now)
@@ -306,14 +308,14 @@ class RunActor(RunOffers):
             try:
                 tr = self.machine.handle(msg.event, now)
             except Conflict:
-                return  # told, not asked: the lease's next call gets the refusal
+                return None  # told, not asked: the lease's next call gets the refusal
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
             self._write_behind(self._write(tr, leases=[msg.lease]))
             self._arm()
-            return
+            return None
         try:
             tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
         except Conflict:
@@ -323,18 +325,23 @@ class RunActor(RunOffers):
                                          ended_at=None, call=None)])))
                 self._arm()
             if self._landed(msg):
-                return  # this very call landed before an incarnation died under it
+                return None  # this very call landed before an incarnation died under it
             raise
         if before is not None:
             tr.journal[:0] = before.journal
             tr.effects[:0] = before.effects
+        ending = None
+        if msg.op is Op.COMPLETE or msg.op is Op.FAIL:
+            ending = (msg.lease_id, msg.lease["worker_id"])
         try:
-            await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
+            told = await self._commit(tr, ending=ending, guard=store.LeaseGuard(msg.lease_id, msg.op),
+                                      leases=[msg.lease])
         except Conflict as exc:
             # Memory said yes, the durable record says no: memory is wrong. Crash;
             # the asker gets ActorDead and asks the rebuilt incarnation again.
             raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
         await self._effects(tr)
+        return told or None
 
     def _sample_schedule_to_start(self, event: Any, now: int) -> None:
         frame = self.machine.record.frame

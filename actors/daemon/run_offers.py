@@ -72,13 +72,21 @@ class RunOffers(RunWrites):
 
     # ------------------------------------------------------------------ commits
 
-    async def _commit(self, tr: Transition, **extra: Any) -> None:
+    async def _commit(self, tr: Transition, *, ending: tuple[str, str] | None = None,
+                      **extra: Any) -> bool:
+        """Persist `tr` (with `extra`'s parts of the write), its offers made ahead in it.
+
+        `ending`: (lease id, worker id) of a lease this write ends by its own call
+        (a complete or fail). When that worker's session takes an offer here,
+        the end rides the offer (`Offered.ended`) and True says so: its lease
+        actor then tells the session nothing (one message per step fewer).
+        """
         if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
             # Nothing happened (a tick with nothing due, a refused signal). Still
             # arm: the timer that brought a Tick here has fired, and an actor kept
             # alive by its mailbox must not be left without one.
             self._arm()
-            return
+            return False
         ahead = self._offer_ahead(tr)
         if ahead:
             leases = extra["leases"] = list(extra.get("leases", ()))
@@ -95,7 +103,8 @@ class RunOffers(RunWrites):
             self.s.trace.committed(w)  # after the commit: export describes what is on record
         self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
         if ahead:
-            self._hand_over(ahead, on_record=True)
+            return self._hand_over(ahead, on_record=True, ending=ending)
+        return False
 
     def _offer_ahead(self, tr: Transition) -> list[_Ahead]:
         """Offer `tr`'s runnable slots that a session takes now, into `tr` itself
@@ -137,16 +146,24 @@ class RunOffers(RunWrites):
             return False
         return isinstance(raw, dict)
 
-    def _hand_over(self, ahead: list[_Ahead], *, on_record: bool) -> None:
+    def _hand_over(self, ahead: list[_Ahead], *, on_record: bool,
+                   ending: tuple[str, str] | None = None) -> bool:
         """The sessions get the leases offered ahead (their actors started first), or,
-        when the offers are not on record, the slots back."""
+        when the offers are not on record, the slots back. True: the first offer to
+        `ending`'s worker carried that lease's end (see `_commit`)."""
         e = self.s
+        told = False
         for session, spec, lease, record in ahead:
             if on_record:
                 peers.start_lease(e, record)
-                peers.tell_ref_now(session, Offered(spec, lease))
+                ended = None
+                if ending is not None and not told and record.worker_id == ending[1]:
+                    ended = ending[0]
+                sent = peers.tell_ref_now(session, Offered(spec, lease, ended))
+                told = told or (ended is not None and sent)
             else:
                 peers.tell_ref_now(session, Offered(spec, None))
+        return told
 
     # ------------------------------------------------------------------ offers
 

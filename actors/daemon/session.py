@@ -169,8 +169,10 @@ class SessionActor(Actor):
         return None
 
     async def _offered(self, message: Offered) -> None:
-        await self._perform(self.machine.offered(message.spec, message.lease,
-                                                 self.s.clock.time_ms()))
+        now = self.s.clock.time_ms()
+        if message.ended is not None:  # the worker's last lease, ended by its own call
+            await self._perform(self.machine.lease_ended(message.ended, None, now))
+        await self._perform(self.machine.offered(message.spec, message.lease, now))
         self._arm()
 
     async def _slot_for(self, message: SlotFor) -> None:

@@ -351,6 +351,9 @@ class Definition:
     sessions: Mapping[str, SessionSpec] = field(default_factory=dict)
     _index: dict[str, int] = field(init=False, repr=False, compare=False, default_factory=dict)
     _hash: str | None = field(init=False, repr=False, compare=False, default=None)
+    #: Whether any budget is set: a run of a definition without one checks none
+    #: on each step (set from `budgets`).
+    budgeted: bool = field(init=False, repr=False, compare=False, default=False)
     #: Each step's ``input`` rendering, compiled at its first use (`input_renderer`).
     _renderers: dict[str, Renderer] = field(init=False, repr=False, compare=False,
                                             default_factory=dict)
@@ -360,6 +363,8 @@ class Definition:
         for position, step in enumerate(self.steps):
             index.setdefault(step.id, position)
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "budgeted",
+                           any(v is not None for v in self.budgets.limits().values()))
 
     def __hash__(self) -> int:
         # The generated hash would hash every step's `input`, which may be a dict.

@@ -70,7 +70,8 @@ class _RunSteps(_RunSessions):
         r.frame = f
         self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.text,
                       visit=visit)
-        if isinstance(step, (TaskStep, ForEachStep)) and step.session is not None \
+        # Steps are final classes: by exact type, no isinstance per step.
+        if (type(step) is TaskStep or type(step) is ForEachStep) and step.session is not None \
                 and self._session_unusable(step.session, step.id, tr, now):
             return None
         if isinstance(step, TaskStep):
@@ -247,7 +248,7 @@ class _RunSteps(_RunSessions):
             max_transitions=r.transitions + 1,
             max_cost_units=r.cost_units + cost_delta if cost_delta else None,
             max_state_bytes=size if changed else None,
-        )
+        ) if self.definition.budgeted else None
         if breach is not None:
             self._breach(breach, step.id, tr, now)
             return None
