@@ -83,7 +83,7 @@ async def test_each_step_writes_its_run_once_and_pushes_only_leases_on_record(
         await _settled(daemon)
         before = daemon.storage.statistics()
         for i in range(n):
-            await eventually(lambda: len(worker.leases) > i, what=f"lease {i}")
+            await eventually(lambda i=i: len(worker.leases) > i, what=f"lease {i}")
             await _complete(daemon, conn, worker.leases[i])
         after = daemon.storage.statistics()
         assert await _status(daemon, run_id) == "completed"
