@@ -54,10 +54,17 @@ SlotKey = tuple[str, str, "int | None"]  # (run_id, step_id, item_index)
 
 
 def _held(lease: dict[str, Any]) -> dict[str, Any]:
-    # Spelled out, not a comprehension of .get: one per lease offered.
-    get = lease.get
-    return {"lease_id": get("lease_id"), "run_id": get("run_id"), "step_id": get("step_id"),
-            "item_index": get("item_index"), "attempt": get("attempt"), "fence": get("fence")}
+    # Spelled out, not a comprehension of .get: one per lease offered (a lease the
+    # run made has every key; a partial one, in tests, gets None for the missing).
+    try:
+        return {"lease_id": lease["lease_id"], "run_id": lease["run_id"],
+                "step_id": lease["step_id"], "item_index": lease["item_index"],
+                "attempt": lease["attempt"], "fence": lease["fence"]}
+    except KeyError:
+        get = lease.get
+        return {"lease_id": get("lease_id"), "run_id": get("run_id"), "step_id": get("step_id"),
+                "item_index": get("item_index"), "attempt": get("attempt"),
+                "fence": get("fence")}
 
 
 def slot_of(spec: AttemptSpec) -> SlotKey:
@@ -251,7 +258,8 @@ class SessionMachine:
         if claim is None:
             if self.attached is None:
                 return [Return((spec,))]  # the connection went away meanwhile
-            self.credit = max(0, self.credit - 1)
+            if self.credit > 0:
+                self.credit -= 1
         else:
             c = self.claims.get(claim)
             if c is None:
