@@ -72,8 +72,12 @@ class Connection:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10_000:
             raise Invalid("must be an integer from 1 to 10000", field="n")
         if self._daemon.services.serving:
-            peers.tell(self._daemon.services, f"/sessions/{self.worker_id}",
-                       Grant(self.conn, n, self.outbox))
+            # Handled right here when the session is idle (its Grant handler never
+            # waits; the registry's Subscribe runs inline too): the credit is the
+            # session's before the worker's next call, whose commit offers the
+            # next step to it (`RunOffers`), rather than still in its mailbox.
+            peers.tell_now(self._daemon.services, f"/sessions/{self.worker_id}",
+                           Grant(self.conn, n, self.outbox))
 
     def detach(self) -> None:
         """The connection ended: its undelivered slots and credit go back."""

@@ -11,9 +11,14 @@ early) and stops; later calls are judged from the durable record
 
 After a daemon restart the lease is re-armed with a full TTL from now
 (PROTOCOL.md "Expiry and recovery"; a restart must not mass-expire healthy
-workers). After a kill of its actor it keeps its expiry: the `LeaseMemo` its
-child spec holds across incarnations remembers the last call, so killing it
-again and again cannot keep a dead worker's lease alive forever.
+workers). After a kill of its actor it keeps its expiry: `Services.lease_touched`
+remembers each live lease's last call (or its offer) across incarnations, so
+killing it again and again cannot keep a dead worker's lease alive forever.
+
+A lease actor is started and stopped on every attempt, so it makes nothing
+per attempt that matters only after a crash: what a successor needs is one
+entry in that per-process dict (set by the calls it records anyway), and a
+successor knows it is one from its `restart_reason`.
 """
 
 from __future__ import annotations
@@ -74,21 +79,6 @@ CONFLICTS: dict[str, type[Conflict]] = {
 }
 
 
-class LeaseMemo:
-    """What a lease's incarnations hand on to each other (`Services.lease_memos` holds
-    it, across rebuilds from new child specs too).
-
-    Only the time of the last call: nothing durable, but what keeps a killed
-    lease actor's successor from granting a dead worker a fresh TTL.
-    """
-
-    __slots__ = ("incarnations", "touched")
-
-    def __init__(self) -> None:
-        self.touched: int | None = None
-        self.incarnations = 0
-
-
 class LeaseActor(Actor):
     kind = "lease"
     reply_errors = (Conflict, Invalid, NotFound)
@@ -99,56 +89,59 @@ class LeaseActor(Actor):
     #: running when the run's offer returns, with no dispatcher turn.
     sync_start = True
 
-    def __init__(self, services: Services, record: LeaseRecord, memo: LeaseMemo, *,
-                 fresh: bool = True) -> None:
+    def __init__(self, services: Services, record: LeaseRecord, *, fresh: bool = True) -> None:
         self.s = services
         self._initial = record
-        self._memo = memo
-        memo.incarnations += 1
-        self._restarted = memo.incarnations > 1
-        self._fresh = fresh and not self._restarted  # just offered: the TTL runs from the offer
+        self._fresh = fresh  # just offered: the TTL runs from the offer
         self.machine: LeaseMachine
 
     async def on_start(self) -> None:
         e = self.s
         record = self._initial
-        if self._restarted:
-            raw = e.storage.get(store.LEASES, record.lease_id)
+        lease_id = record.lease_id
+        if self.restart_reason is not None:  # killed or crashed: the record may have moved
+            raw = e.storage.get(store.LEASES, lease_id)
             if isinstance(raw, dict):
                 record = LeaseRecord.from_dict(raw)
-        # A lease just offered expires a TTL after the offer (its actor may start
-        # a little later). One rebuilt after a daemon restart gets a full TTL from
-        # now (nothing in memory says when its worker last called). One whose
-        # actor was killed, or rebuilt after its supervisor restarted, in this
-        # process keeps its expiry: counted from the last call seen, so killing
-        # it again and again cannot keep a dead worker's lease alive forever.
-        if self._fresh:
-            since = record.offered_at
-        elif self._restarted:
-            since = self._memo.touched or record.offered_at
-        else:
-            since = self.s.clock.time_ms()
+        # One whose actor was killed, or rebuilt after its supervisor restarted,
+        # in this process keeps its expiry: counted from the last call seen (or
+        # the offer), so killing it again and again cannot keep a dead worker's
+        # lease alive forever. A lease just offered expires a TTL after the offer
+        # (its actor may start a little later). One rebuilt after a daemon
+        # restart gets a full TTL from now (nothing in memory says when its
+        # worker last called).
+        touched = e.lease_touched
+        since = touched.get(lease_id)
+        if since is None:
+            since = record.offered_at if self._fresh else e.clock.time_ms()
+            touched[lease_id] = since
         self.machine = LeaseMachine(
             record, ttl_ms=e.config.lease_ttl_ms, window_ms=e.config.recovery_window_ms,
             now=since,
         )
         if not record.status.live:
-            e.lease_memos.pop(record.lease_id, None)
+            touched.pop(lease_id, None)
             self.stop()
             return
         self._arm()
 
-    def _end(self, reason: str | None) -> None:
-        """The lease is over: its session hears it (a cancel if `reason`), then stop."""
+    def _end(self, reason: str | None, *, told: bool = False) -> None:
+        """The lease is over: its session hears it (a cancel if `reason`), then stop.
+
+        `told`: the run told the session already, with this worker's next lease
+        (`Offered.ended`, in the commit that ended this one).
+        """
         rec = self.machine.record
-        self.s.lease_memos.pop(rec.lease_id, None)
-        # Handled right here when the session is idle (its handler never waits):
-        # a lease ends on every step, and a dispatcher turn for this cost more.
-        peers.tell_now(self.s, f"/sessions/{rec.worker_id}", LeaseEnded(rec.lease_id, reason))
+        self.s.lease_touched.pop(rec.lease_id, None)
+        if not told:
+            # Handled right here when the session is idle (its handler never waits):
+            # a lease ends on every step, and a dispatcher turn for this cost more.
+            peers.tell_now(self.s, f"/sessions/{rec.worker_id}",
+                           LeaseEnded(rec.lease_id, reason))
         self.stop()
 
     async def receive(self, message: Any) -> Any:
-        if isinstance(message, LeaseCall):
+        if type(message) is LeaseCall:  # the one message of every attempt, first
             return await self._call(message)
         if isinstance(message, Due):
             await self._tick()
@@ -169,7 +162,7 @@ class LeaseActor(Actor):
                 self.machine.end(status, self.s.clock.time_ms())
                 self._end(message.reason)
             else:
-                self.s.lease_memos.pop(self.machine.record.lease_id, None)
+                self.s.lease_touched.pop(self.machine.record.lease_id, None)
                 self.stop()
             return None
         raise TypeError(f"lease actor: unexpected message {message!r}")
@@ -196,8 +189,11 @@ class LeaseActor(Actor):
             if cursor is not None:
                 claim = claim_of(raw, cursor)
         now = self.s.clock.time_ms()
-        self._memo.touched = now
-        revived = any(isinstance(a, Revived) for a in m.touch(call.op, now))
+        self.s.lease_touched[rec.lease_id] = now
+        revived = False
+        for action in m.touch(call.op, now):  # usually none: no generator per call
+            if type(action) is Revived:
+                revived = True
         if revived:
             await peers.wake_run(self.s, rec.run_id, AttemptNote(
                 rec.lease_id, AttemptRevived(rec.step_id, rec.item_index, rec.fence)))
@@ -241,8 +237,8 @@ class LeaseActor(Actor):
             self._arm()
             return {}
         try:
-            await peers.ask_run(self.s, rec.run_id,
-                                ApplyAttempt(rec.lease_id, call.op, stored, event, started))
+            told = await peers.ask_run(self.s, rec.run_id,
+                                       ApplyAttempt(rec.lease_id, call.op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer
@@ -252,7 +248,7 @@ class LeaseActor(Actor):
             stats = body.get("sticky_stats") if call.op is Op.COMPLETE else None
             if stats is not None:
                 peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(stats))
-            self._end(None)
+            self._end(None, told=told is True)
         else:
             self._arm()
         return {}

@@ -289,10 +289,17 @@ class OfferAs:
 
 @dataclass(frozen=True, slots=True)
 class Offered:
-    """The run's answer to a `TakeSlot`: the lease, or None (the slot moved on)."""
+    """The run's answer to a `TakeSlot`: the lease, or None (the slot moved on).
+
+    `ended`: a lease of the same worker that the same commit ended by the
+    worker's own complete or fail, told here instead of by its lease actor
+    (`LeaseEnded` without a reason): the step's next lease and its last one's
+    end reach the session in one message.
+    """
 
     spec: AttemptSpec
     lease: dict[str, Any] | None
+    ended: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,9 +311,12 @@ async def ask_run(s: Services, run_id: str, message: Any, *, quiet: bool = False
         Fenced: unless `quiet` (then None).
         StepdError: the run's refusal.
     """
+    path = f"/runs/{run_id}"
     for attempt in range(RETRIES):
         try:
-            ref = await activate_run(s, run_id, expect_message=True)
+            ref = s.system.find(path)  # an active run: no activation calls in between
+            if ref is None or not ref.alive:
+                ref = await activate_run(s, run_id, expect_message=True)
             return await ref.ask(message)
         except ActorDead:  # the run actor, or the runs supervisor, is restarting
             await anyio.sleep(0.001 * attempt)

@@ -15,59 +15,55 @@ Run actors never wait on another actor: they tell, and they `ask_now` the
 registry and a session to offer the next slot in their own turn (answered
 only by an idle actor whose handler never waits, else refused at once);
 lease actors and sessions ask run actors. So no cycle of waits, no deadlock.
+
+The actor is three layers, each its own module: `run_writes.RunWrites` (what
+a transition writes), `run_offers.RunOffers` (commits, the offers that ride
+them, effects) and `RunActor` here (messages, lifecycle, attempts' calls).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from stepd.actors import Actor, ActorDead, ActorKilled, ActorNotFound, StartFailed, WouldBlock
-from stepd.sansio.errors import Conflict, Invalid, StepdError
+from stepd.actors import ActorDead, ActorKilled, StartFailed
+from stepd.sansio.errors import Conflict, Invalid
 from stepd.sansio.events import (
-    AttemptOffered,
-    AttemptSpec,
     Begin,
     Cancel,
-    CancelChildren,
     ChildFinished,
-    EndLeases,
     InternalFailure,
-    NotifyParent,
     Retry,
-    RunEnded,
-    Runnable,
     SignalReceived,
-    StartChildren,
     Tick,
     Transition,
-    Withdraw,
 )
-from stepd.sansio.lease import LeaseRecord, LeaseStatus, Op
+from stepd.sansio.lease import LeaseStatus, Op
 from stepd.sansio.record import RunRecord
 from stepd.sansio.run import RunMachine
 
-from . import ids, peers, store
+from . import peers, store
 from .messages import (
     ApplyAttempt,
     AttemptNote,
     CancelRun,
-    CloseSession,
     Due,
-    EnsureHolder,
     History,
     IdleCheck,
     InboxChanged,
     Offer,
-    Offered,
     Resync,
     RetryRun,
     SessionNote,
     Signal,
-    SlotFor,
-    TakeSlot,
 )
+from .run_offers import RunOffers
+from .run_writes import child_writes, walk_writes
 from .services import Services
+
+__all__ = ["MAX_CRASHES", "RunActor", "SignalRefused", "child_writes", "own_crash",
+           "walk_writes"]
 
 log = logging.getLogger("stepd.daemon")
 
@@ -87,40 +83,6 @@ def own_crash(reason: BaseException | None) -> BaseException | None:
     return reason if isinstance(reason, Exception) else None
 
 
-def child_writes(s: Services, effect: StartChildren, now: int) -> list[store.RunWrite]:
-    """The records of the child runs a `start_workflows` step creates.
-
-    Created unbegun (`RunRecord.begun`): each child's own actor enters its
-    first step, in its own transaction. A child whose first step starts
-    children of its own thus adds one level per transaction, never a
-    recursion inside this one (a workflow starting itself once recursed until
-    Python gave up, and the start answered 500).
-    """
-    writes = []
-    for child in effect.children:
-        machine, tr = RunMachine.start(
-            run_id=child.run_id, definition=effect.definition, input=child.input, now_ms=now,
-            correlation=effect.correlation,
-            parent={"run_id": effect.parent_run_id, "step_id": effect.step_id},
-            resolve=s.catalog.resolve, depth=effect.depth, begin=False,
-            max_depth=s.config.max_child_depth,
-        )
-        writes.append(store.RunWrite(
-            run_id=child.run_id, record=machine.record.to_dict(), journal=tr.journal,
-            due_new=machine.next_deadline(), active_new=not machine.idle(), create=True,
-        ))
-        s.stats.runs_started += 1
-    return writes
-
-
-def walk_writes(writes: list[store.RunWrite]) -> list[store.RunWrite]:
-    out = []
-    for w in writes:
-        out.append(w)
-        out.extend(walk_writes(w.children))
-    return out
-
-
 class SignalRefused(Conflict):
     """A signal refused because its transition would breach a budget (409 budget_exceeded)."""
 
@@ -138,7 +100,11 @@ class StaleState(RuntimeError):
     """The durable guard disagreed with this actor's memory: crash and rebuild from storage."""
 
 
-class RunActor(Actor):
+class RunActor(RunOffers):
+    """One active run: its messages, its lifecycle (load, crash count, passivation) and
+    its attempts' calls; the commits, offers and effects are `RunOffers`', the
+    writes `RunWrites`'."""
+
     kind = "run"
     reply_errors = (Conflict, Invalid)
     #: Its handlers wait only for storage commits and for actors it starts or tells
@@ -155,18 +121,12 @@ class RunActor(Actor):
         restarted: bool = False,
         expect_message: bool = False,
     ) -> None:
-        self.s = services
-        self.run_id = run_id
+        super().__init__(services, run_id)
         self._initial = initial
         self._restarted = restarted
         # Started to take a message: passivating before it arrives would make
         # the sender start us again, forever.
         self._expect_message = expect_message
-        self.machine: RunMachine
-        self.indexed_due: int | None = None
-        self.indexed_active = False
-        self._created: list[str] = []  # runs the last write created (children, grandchildren)
-        self._due = peers.DueTimer()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -218,7 +178,7 @@ class RunActor(Actor):
             await self._effects(begun)
         await self._drain_inbox()
         await self._ensure_leases()
-        await self._effects(tr)
+        await self._effects(tr, offer=True)  # committed by its creator: offer it now
         self._announce()
         await self._open_sessions(self.machine.runnable())
         self._arm()
@@ -227,7 +187,12 @@ class RunActor(Actor):
 
     async def receive(self, message: Any) -> Any:
         try:
-            return await self._dispatch(message)
+            # One handler per message type (a dict, not an isinstance chain).
+            try:
+                handler = _HANDLERS[type(message)]
+            except KeyError:
+                raise TypeError(f"run actor: unexpected message {message!r}") from None
+            return await handler(self, message)
         finally:
             if self._passivable():
                 if self.indexed_due is not None:
@@ -273,50 +238,47 @@ class RunActor(Actor):
         due = m.next_deadline()
         return due is None or due > self.s.clock.time_ms()
 
-    async def _dispatch(self, message: Any) -> Any:
-        if isinstance(message, ApplyAttempt):
-            return await self._apply_attempt(message)
-        if isinstance(message, Offer):
-            return self._offer(message)
-        if isinstance(message, Due):
-            self._due.fired()
-            await self._handle(Tick())
-            return None
-        if isinstance(message, AttemptNote):
-            return await self._note(message)
-        if isinstance(message, Signal):
-            tr = self.machine.handle(SignalReceived(message.name, message.payload),
-                                     self.s.clock.time_ms())
-            # A refused signal journals its refusal; its audit entry (a 409) is
-            # the caller's to write, not this transaction's.
-            await self._commit(tr, audit=message.audit if tr.refused is None else None)
-            await self._effects(tr)
-            if tr.refused is not None:
-                raise SignalRefused(tr.refused[1])
-            return None
-        if isinstance(message, CancelRun):
-            await self._handle(Cancel(message.message), audit=message.audit)
-            return None
-        if isinstance(message, RetryRun):
-            tr = await self._handle(Retry(), audit=message.audit)
-            return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
-        if isinstance(message, InboxChanged):
-            await self._drain_inbox()
-            return None
-        if isinstance(message, Resync):
-            await self._ensure_leases()
-            self._announce()
-            await self._open_sessions(self.machine.runnable())
-            return None
-        if isinstance(message, SessionNote):
-            await self._handle(message.event)
-            return None
-        if isinstance(message, IdleCheck):
-            return None
-        if isinstance(message, History):
-            return self.machine.history(message.lease_id, message.step_id, message.item_index,
-                                        message.fence)
-        raise TypeError(f"run actor: unexpected message {message!r}")
+    async def _due_fired(self, message: Due) -> None:
+        self._due.fired()
+        await self._handle(Tick())
+
+    async def _signal(self, message: Signal) -> None:
+        tr = self.machine.handle(SignalReceived(message.name, message.payload),
+                                 self.s.clock.time_ms())
+        # A refused signal journals its refusal; its audit entry (a 409) is
+        # the caller's to write, not this transaction's.
+        await self._commit(tr, audit=message.audit if tr.refused is None else None)
+        await self._effects(tr)
+        if tr.refused is not None:
+            raise SignalRefused(tr.refused[1])
+
+    async def _cancel(self, message: CancelRun) -> None:
+        await self._handle(Cancel(message.message), audit=message.audit)
+
+    async def _retry(self, message: RetryRun) -> dict[str, Any]:
+        tr = await self._handle(Retry(), audit=message.audit)
+        return {"status": self.machine.record.status.text, "step_id": tr.journal[0]["step_id"]}
+
+    async def _inbox_changed(self, message: InboxChanged) -> None:
+        await self._drain_inbox()
+
+    async def _resync(self, message: Resync) -> None:
+        await self._ensure_leases()
+        self._announce()
+        await self._open_sessions(self.machine.runnable())
+
+    async def _session_note(self, message: SessionNote) -> None:
+        await self._handle(message.event)
+
+    async def _idle_check(self, message: IdleCheck) -> None:
+        return None  # only `receive`'s passivation check, after it
+
+    async def _history(self, message: History) -> dict[str, Any]:
+        return self.machine.history(message.lease_id, message.step_id, message.item_index,
+                                    message.fence)
+
+    async def _offer_asked(self, message: Offer) -> dict[str, Any] | None:
+        return self._offer(message)
 
     # ------------------------------------------------------------------ handlers
 
@@ -327,38 +289,9 @@ class RunActor(Actor):
         await self._effects(tr)
         return tr
 
-    def _offer(self, msg: Offer) -> dict[str, Any] | None:
-        e = self.s
-        now = self.s.clock.time_ms()
-        lease_id = ids.lease_id(now)
-        spec = msg.spec
-        try:
-            tr = self.machine.handle(
-                AttemptOffered(spec.step_id, spec.item_index, lease_id, msg.worker_id,
-                               msg.worker_name, msg.local_steps, msg.sticky),
-                now,
-            )
-        except Conflict:
-            return None  # the slot moved on (offered elsewhere, withdrawn, run over)
-        lease = tr.lease
-        assert lease is not None
-        record = LeaseRecord(
-            lease_id=lease_id, run_id=self.run_id, step_id=spec.step_id,
-            item_index=spec.item_index, fence=lease["fence"], attempt=lease["attempt"],
-            worker_id=msg.worker_id, worker_name=msg.worker_name, delivery=lease["delivery"],
-            offered_at=now,
-        )
-        # The offer is written behind: nothing acknowledges it. If it is lost in a
-        # crash the slot is still queued on record and is offered again, and the
-        # worker's calls on this lease get 404. Every later write of this run is
-        # ordered after it, so `started`/`complete` find the lease on record.
-        self._write_behind(self._write(tr, leases=[record.to_dict()]))
-        peers.start_lease(e, record)
-        lease["lease_ttl_ms"] = e.config.lease_ttl_ms
-        e.stats.leases_offered += 1
-        return lease
-
-    async def _apply_attempt(self, msg: ApplyAttempt) -> None:
+    async def _apply_attempt(self, msg: ApplyAttempt) -> bool | None:
+        """Apply a worker's call on a lease; True when the lease's end (its complete or
+        fail) was told to its session here, with the next lease (`Offered.ended`)."""
         now = self.s.clock.time_ms()
         if msg.op is Op.STARTED:
             self._sample_schedule_to_start(msg.event, now)
@@ -375,14 +308,14 @@ class RunActor(Actor):
             try:
                 tr = self.machine.handle(msg.event, now)
             except Conflict:
-                return  # told, not asked: the lease's next call gets the refusal
+                return None  # told, not asked: the lease's next call gets the refusal
             # PROTOCOL.md asks only at_most_once `started` to be durable before
             # the answer. For at_least_once nothing rests on it (recovery
             # re-queues either way), so it is written behind, in order, and
             # rides the next batch with the step's `complete`: one fsync per step.
             self._write_behind(self._write(tr, leases=[msg.lease]))
             self._arm()
-            return
+            return None
         try:
             tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
         except Conflict:
@@ -392,18 +325,23 @@ class RunActor(Actor):
                                          ended_at=None, call=None)])))
                 self._arm()
             if self._landed(msg):
-                return  # this very call landed before an incarnation died under it
+                return None  # this very call landed before an incarnation died under it
             raise
         if before is not None:
             tr.journal[:0] = before.journal
             tr.effects[:0] = before.effects
+        ending = None
+        if msg.op is Op.COMPLETE or msg.op is Op.FAIL:
+            ending = (msg.lease_id, msg.lease["worker_id"])
         try:
-            await self._commit(tr, guard=store.LeaseGuard(msg.lease_id, msg.op), leases=[msg.lease])
+            told = await self._commit(tr, ending=ending, guard=store.LeaseGuard(msg.lease_id, msg.op),
+                                      leases=[msg.lease])
         except Conflict as exc:
             # Memory said yes, the durable record says no: memory is wrong. Crash;
             # the asker gets ActorDead and asks the rebuilt incarnation again.
             raise StaleState(f"run {self.run_id}: the durable guard said {exc.reason}") from exc
         await self._effects(tr)
+        return told or None
 
     def _sample_schedule_to_start(self, event: Any, now: int) -> None:
         frame = self.machine.record.frame
@@ -459,198 +397,18 @@ class RunActor(Actor):
             await self._commit(tr, inbox_done=[key])
             await self._effects(tr)
 
-    # ------------------------------------------------------------------ persistence
 
-    def _write(self, tr: Transition, **extra: Any) -> store.RunWrite:
-        m = self.machine
-        due = m.next_deadline()
-        active = not m.idle()
-        w = store.RunWrite(
-            run_id=self.run_id,
-            record=m.record.to_dict(),
-            journal=tr.journal,
-            due_old=self.indexed_due,
-            due_new=due,
-            active_old=self.indexed_active,
-            active_new=active,
-            status_old=self._status,
-            **extra,
-        )
-        for effect in tr.effects:
-            if isinstance(effect, EndLeases):
-                status = (LeaseStatus.FENCED if effect.reason == "fenced" else LeaseStatus.RUN_TERMINAL).text
-                now = self.s.clock.time_ms()
-                w.lease_status.extend((lid, status, now) for lid in effect.lease_ids)
-            elif isinstance(effect, StartChildren):
-                children = child_writes(self.s, effect, self.s.clock.time_ms())
-                w.children.extend(children)
-                for cw in walk_writes(children):
-                    self.s.stats.status_moved(None, cw.record["status"])
-                    # Grandchildren too (a child whose first step starts its own):
-                    # every run created here needs an actor once this commits.
-                    self._created.append(cw.run_id)
-            elif isinstance(effect, NotifyParent):
-                r = m.record
-                w.inbox.append((effect.parent_run_id, self.run_id, {
-                    "type": "child_finished", "child_run_id": self.run_id,
-                    "status": r.status.text, "result": r.result, "error": r.error,
-                }))
-            elif isinstance(effect, CancelChildren):
-                for child in effect.run_ids:
-                    w.inbox.append((child, self.run_id, {"type": "cancel",
-                                                         "message": f"parent run {self.run_id} ended"}))
-        self.indexed_due = due
-        self.indexed_active = active
-        status = m.record.status.text
-        if status != self._status:
-            self.s.stats.status_moved(self._status, status)
-            self._status = status
-        return w
-
-    async def _commit(self, tr: Transition, **extra: Any) -> None:
-        if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
-            # Nothing happened (a tick with nothing due, a refused signal). Still
-            # arm: the timer that brought a Tick here has fired, and an actor kept
-            # alive by its mailbox must not be left without one.
-            self._arm()
-            return
-        w = self._write(tr, **extra)
-        await self.s.storage.write(store.apply_txn, w)
-        if self.s.trace is not None:
-            self.s.trace.committed(w)  # after the commit: export describes what is on record
-        self._arm_at(self.indexed_due)  # what _write found: the machine did not move since
-
-    def _write_behind(self, w: store.RunWrite) -> None:
-        """Queue a write nobody awaits (an offer, an at_least_once `started`).
-
-        The trace sink hears of it now: it only notes the attempt's start, and
-        exports nothing until a later write of this run ends the attempt,
-        which is committed after this one (the storage keeps submission order).
-        """
-        self.s.storage.write_deferred(store.apply_txn, store.deferred(w))
-        if self.s.trace is not None:
-            self.s.trace.committed(w)
-
-    # ------------------------------------------------------------------ effects
-
-    async def _effects(self, tr: Transition) -> None:
-        e = self.s
-        for effect in tr.effects:
-            if isinstance(effect, Runnable):
-                specs = effect.attempts
-                if not any(type(other) is Withdraw for other in tr.effects):
-                    specs = tuple(spec for spec in specs if not self._offer_now(spec))
-                peers.announce(e, specs)
-                await self._open_sessions(effect.attempts)
-            elif isinstance(effect, Withdraw):
-                peers.withdraw(e, effect.run_id, effect.slots)
-            elif isinstance(effect, EndLeases):
-                for lease_id in effect.lease_ids:
-                    peers.end_lease(e, lease_id, effect.reason)
-            elif isinstance(effect, StartChildren):
-                created, self._created = self._created, []
-                for child_id in created:
-                    await peers.wake_run(e, child_id, None)
-            elif isinstance(effect, CancelChildren):
-                for child_id in effect.run_ids:
-                    await peers.wake_run(e, child_id, InboxChanged())
-            elif isinstance(effect, NotifyParent):
-                await peers.wake_run(e, effect.parent_run_id, InboxChanged())
-            elif isinstance(effect, RunEnded):
-                stats = e.stats
-                stats.runs_ended += 1
-                stats.sample(stats.run_to_complete,
-                             (self.s.clock.time_ms() - self.machine.record.created_at) / 1000)
-                e.watch.ended(self.run_id)
-                await self._close_sessions()
-
-    def _offer_now(self, spec: AttemptSpec) -> bool:
-        """Offer a runnable slot in this turn, if a session takes it now; False: announce it.
-
-        The registry stays the one router (`Route`: which subscribed session,
-        counted as handed to it); the session takes the slot as from the
-        registry's `SlotFor` (`TakeSlot`, credit and all) and answers as whom;
-        the offer is this run's own (`_offer`, as for the session's `Offer`);
-        the session pushes the lease (`Offered`). Each is an `ask_now`: handled
-        right here only if that actor is idle, by its own handler, none of
-        which waits; so this turn never waits on them, and no ask cycle can
-        form (the session does not ask this busy run, it is asked). Anything
-        not idle takes the queued path: the registry's pick goes as the
-        `SlotFor` it would have sent, the lease as a queued `Offered`.
-        """
-        if spec.session is not None:
-            return False  # a worker session's step: its holder, through the registry's queue
-        e = self.s
-        routed = peers.route_now(e, spec)
-        if routed is None:
-            return False
-        worker_id, claim = routed
-        path = f"/sessions/{worker_id}"
-        try:
-            ref = e.system.resolve(path)
-            try:
-                who = ref.ask_now(TakeSlot(spec, claim))
-            except WouldBlock:
-                ref.tell_nowait(SlotFor(spec, claim))  # the registry's own hand-over
-                return True
-        except (ActorDead, ActorNotFound, WouldBlock):
-            return False  # the registry queues it; that session's next incarnation subscribes
-        if who is None:
-            return True  # the session could not take it and gave it back (`ReturnSpecs`)
-        lease = self._offer(Offer(spec, who.worker_id, who.worker_name, who.local_steps,
-                                  who.sticky))
-        peers.tell_ref_now(ref, Offered(spec, lease))
-        return True
-
-    def _announce(self) -> None:
-        specs = self.machine.runnable()
-        if specs:
-            peers.announce(self.s, tuple(specs))
-
-    async def _open_sessions(self, specs: Any) -> None:
-        """Slots of a worker session with no holder wait in the registry: make sure the
-        session's actor exists and is looking for one (AFFINITY.md "Worker sessions")."""
-        for session_id in {sp.session for sp in specs if sp.session is not None and sp.pinned is None}:
-            await self._tell_session(session_id, EnsureHolder())
-
-    async def _close_sessions(self) -> None:
-        """The run is over: its sessions end and free their workers' slots."""
-        for entry in self.machine.record.sessions.values():
-            if entry["status"] in ("pending", "held"):
-                await self._tell_session(entry["id"], CloseSession())
-
-    async def _tell_session(self, session_id: str, message: Any) -> None:
-        try:
-            ref = await peers.ensure_work_session(self.s, session_id)
-        except (ActorDead, StepdError):
-            return  # /sessions is restarting: recovery starts every open session again
-        peers.tell_ref(ref, message)
-
-    async def _ensure_leases(self) -> None:
-        """Every live lease of this run has its actor (after a restart: with a full TTL)."""
-        live = self.machine.live_leases()
-        if not live:
-            return
-        e = self.s
-        records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
-        if len(records) < len(live):
-            # An offer is written behind. Its actor was started with it, but if
-            # the leases supervisor restarted since, nobody else starts one: wait
-            # for the writes before this, so the record can be found.
-            await e.storage.write(store.barrier_txn)
-            records = e.storage.read(store.live_leases_txn, [lid for lid, _ in live])
-        on_record = {r["lease_id"]: r for r in records}
-        for lease_id, slot in live:
-            raw = on_record.get(lease_id)
-            if raw is None:
-                continue  # ended meanwhile, or its offer was lost in a crash (queued on record)
-            if not peers.lease_alive(e, lease_id):
-                peers.start_lease(e, LeaseRecord.from_dict(raw), fresh=False)
-
-    def _arm(self) -> None:
-        self._arm_at(self.machine.next_deadline())
-
-    def _arm_at(self, due: int | None) -> None:
-        """Arm (or cancel) the timer of the machine's next deadline, `due`."""
-        self._due.arm(self.s, self, due)
-
+_HANDLERS: dict[type, Callable[[RunActor, Any], Awaitable[Any]]] = {
+    ApplyAttempt: RunActor._apply_attempt,
+    Offer: RunActor._offer_asked,
+    Due: RunActor._due_fired,
+    AttemptNote: RunActor._note,
+    Signal: RunActor._signal,
+    CancelRun: RunActor._cancel,
+    RetryRun: RunActor._retry,
+    InboxChanged: RunActor._inbox_changed,
+    Resync: RunActor._resync,
+    SessionNote: RunActor._session_note,
+    IdleCheck: RunActor._idle_check,
+    History: RunActor._history,
+}

@@ -180,13 +180,15 @@ class Services:
     #: and a start that then handed its stale machine to a new incarnation would
     #: write over what that one journaled (the campaign's /runs kills found it).
     creating: dict[str, int] = field(default_factory=dict)
-    #: Lease id -> its `LeaseMemo` (the time of its last call), for as long as the
-    #: lease lives in this process. Held here, not only in a child spec, because a
-    #: /leases or /registry restart rebuilds every lease actor from a new spec:
+    #: Lease id -> the time (ms) of its last call, or of its offer before any, for
+    #: as long as the lease lives in this process: what a lease actor's successor
+    #: counts its expiry from (lease.py). Held here, not in a child spec, because
+    #: a /leases or /registry restart rebuilds every lease actor from a new spec:
     #: with a memo per spec, each rebuild granted a dead worker's lease a full TTL
     #: from now, and kills a TTL apart kept it alive forever (examples/chaos.py
-    #: found 7 leases of a SIGKILLed worker never orphaned in 50 s).
-    lease_memos: dict[str, Any] = field(default_factory=dict)
+    #: found 7 leases of a SIGKILLed worker never orphaned in 50 s). A plain int
+    #: per lease, not an object: lease actors start and stop on every attempt.
+    lease_touched: dict[str, int] = field(default_factory=dict)
     #: Worker sessions whose actor started in this process. A session's first start
     #: here after a daemon restart grants its holder a full `lease_ms` (its worker
     #: could not renew while the daemon was down), as recovery grants leases a full

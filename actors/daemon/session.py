@@ -21,7 +21,7 @@ The `SessionMemo` its child spec holds carries just that across incarnations.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from stepd.actors import Actor
@@ -148,109 +148,148 @@ class SessionActor(Actor):
     # ------------------------------------------------------------------ messages
 
     async def receive(self, message: Any) -> Any:
-        m = self.machine
-        now = self.s.clock.time_ms()
-        if isinstance(message, TakeSlot):
-            # The slot's run asks, in its own turn (`ask_now`): it makes the lease
-            # itself, so the `Offer` is answered as whom, not performed.
-            actions = m.slot(message.spec, message.claim, now)
-            if len(actions) == 1 and isinstance(actions[0], Offer):
-                # No re-arm: a slot in hand only ever removes the idle expiry,
-                # and the `Offered` that follows at once arms what is due.
-                return OfferAs(self.worker_id, self.name, self.local_steps, self.sticky)
-            await self._perform(actions)
-            self._arm()
-            return None
-        if isinstance(message, Offered):
-            await self._perform(m.offered(message.spec, message.lease, now))
-        elif isinstance(message, SlotFor):
-            await self._perform(m.slot(message.spec, message.claim, now))
-        elif isinstance(message, LeaseEnded):
-            await self._perform(m.lease_ended(message.lease_id, message.reason, now))
-        elif isinstance(message, Grant):
-            if m.attached is None and message.outbox is not None:
-                # Its Attach died in a killed incarnation's mailbox (the memo then
-                # had no outbox to close): attach it now, or its credit is lost.
-                self.memo.outbox = message.outbox
-                await self._perform(m.attach(message.conn, now))
-            if message.conn == m.attached:
-                await self._perform(m.grant(message.n, now))
-        elif isinstance(message, Attach):
-            actions = m.attach(message.conn, now)
-            self.memo.outbox = message.outbox
-            await self._perform(actions)
-        elif isinstance(message, Detach):
-            if message.conn == m.attached:
-                self.memo.outbox = None
-            await self._perform(m.detach(message.conn, now))
-        elif isinstance(message, ClaimSlots):
-            self.memo.claims[message.claim] = message.reply
-            await self._perform(m.claim(message.claim, message.max, message.run_id,
-                                        message.deadline, now))
-        elif isinstance(message, AbandonClaim):
-            self.memo.claims.pop(message.claim, None)
-            await self._perform(m.abandon(message.claim, now))
-        elif isinstance(message, ClaimReady):
-            await self._perform(m.answer(message.claim))
-        elif isinstance(message, Touch):
-            m.touch(now)
-        elif isinstance(message, Due):
-            self._due.fired()
-            await self._perform(m.tick(now))
-        elif isinstance(message, Reregistered):
-            self._read_registration()
-        elif isinstance(message, Resubscribe):
-            await self._perform(m.resubscribe())
-        elif isinstance(message, SessionInfo):
-            return {"connected": m.attached is not None or bool(m.claims),
-                    "held": [m.held[k] for k in sorted(m.held)], "last_active": m.last_active,
-                    "sticky": self.sticky_counts}
-        elif isinstance(message, StickyReport):
-            self.sticky_counts = dict(message.counts)
-        else:
-            raise TypeError(f"session: unexpected message {message!r}")
+        # One handler per message type (a dict, not an isinstance chain: the
+        # step's messages are handled on every step).
+        try:
+            handler = _HANDLERS[type(message)]
+        except KeyError:
+            raise TypeError(f"session: unexpected message {message!r}") from None
+        return await handler(self, message)
+
+    async def _take_slot(self, message: TakeSlot) -> OfferAs | None:
+        # The slot's run asks, in its own turn (`ask_now`): it makes the lease
+        # itself, so the `Offer` is answered as whom, not performed.
+        actions = self.machine.slot(message.spec, message.claim, self.s.clock.time_ms())
+        if len(actions) == 1 and type(actions[0]) is Offer:
+            # No re-arm: a slot in hand only ever removes the idle expiry, and
+            # the `Offered` that follows arms what is due.
+            return OfferAs(self.worker_id, self.name, self.local_steps, self.sticky)
+        await self._perform(actions)
         self._arm()
         return None
+
+    async def _offered(self, message: Offered) -> None:
+        now = self.s.clock.time_ms()
+        if message.ended is not None:  # the worker's last lease, ended by its own call
+            await self._perform(self.machine.lease_ended(message.ended, None, now))
+        await self._perform(self.machine.offered(message.spec, message.lease, now))
+        self._arm()
+
+    async def _slot_for(self, message: SlotFor) -> None:
+        await self._perform(self.machine.slot(message.spec, message.claim,
+                                              self.s.clock.time_ms()))
+        self._arm()
+
+    async def _lease_ended(self, message: LeaseEnded) -> None:
+        await self._perform(self.machine.lease_ended(message.lease_id, message.reason,
+                                                     self.s.clock.time_ms()))
+        self._arm()
+
+    async def _grant(self, message: Grant) -> None:
+        m = self.machine
+        now = self.s.clock.time_ms()
+        if m.attached is None and message.outbox is not None:
+            # Its Attach died in a killed incarnation's mailbox (the memo then
+            # had no outbox to close): attach it now, or its credit is lost.
+            self.memo.outbox = message.outbox
+            await self._perform(m.attach(message.conn, now))
+        if message.conn == m.attached:
+            await self._perform(m.grant(message.n, now))
+        self._arm()
+
+    async def _attach(self, message: Attach) -> None:
+        actions = self.machine.attach(message.conn, self.s.clock.time_ms())
+        self.memo.outbox = message.outbox
+        await self._perform(actions)
+        self._arm()
+
+    async def _detach(self, message: Detach) -> None:
+        if message.conn == self.machine.attached:
+            self.memo.outbox = None
+        await self._perform(self.machine.detach(message.conn, self.s.clock.time_ms()))
+        self._arm()
+
+    async def _claim_slots(self, message: ClaimSlots) -> None:
+        self.memo.claims[message.claim] = message.reply
+        await self._perform(self.machine.claim(message.claim, message.max, message.run_id,
+                                               message.deadline, self.s.clock.time_ms()))
+        self._arm()
+
+    async def _abandon_claim(self, message: AbandonClaim) -> None:
+        self.memo.claims.pop(message.claim, None)
+        await self._perform(self.machine.abandon(message.claim, self.s.clock.time_ms()))
+        self._arm()
+
+    async def _claim_ready(self, message: ClaimReady) -> None:
+        await self._perform(self.machine.answer(message.claim))
+        self._arm()
+
+    async def _touch(self, message: Touch) -> None:
+        self.machine.touch(self.s.clock.time_ms())
+        self._arm()
+
+    async def _due_fired(self, message: Due) -> None:
+        self._due.fired()
+        await self._perform(self.machine.tick(self.s.clock.time_ms()))
+        self._arm()
+
+    async def _reregistered(self, message: Reregistered) -> None:
+        self._read_registration()
+        self._arm()
+
+    async def _resubscribe(self, message: Resubscribe) -> None:
+        await self._perform(self.machine.resubscribe())
+        self._arm()
+
+    async def _info(self, message: SessionInfo) -> dict[str, Any]:
+        m = self.machine
+        return {"connected": m.attached is not None or bool(m.claims),
+                "held": [m.held[k] for k in sorted(m.held)], "last_active": m.last_active,
+                "sticky": self.sticky_counts}
+
+    async def _sticky_report(self, message: StickyReport) -> None:
+        self.sticky_counts = dict(message.counts)
+        self._arm()
 
     # ------------------------------------------------------------------ actions
 
     async def _perform(self, actions: list[Any]) -> None:
         s = self.s
-        for action in actions:
-            if isinstance(action, Offer):
+        for action in actions:  # by exact type: actions are final dataclasses
+            if type(action) is Offer:
                 await self._offer(action)
-            elif isinstance(action, PushLease):
+            elif type(action) is PushLease:
                 outbox = self.memo.outbox
                 if outbox is None or not outbox.lease(action.lease):
                     # Offered into a connection that is going away: hand the slot
                     # back now rather than after the lease TTL.
                     self.machine.lease_ended(action.lease["lease_id"], None, self.s.clock.time_ms())
                     peers.tell(s, f"/leases/{action.lease['lease_id']}", ReleaseLease())
-            elif isinstance(action, Subscribe):
+            elif type(action) is Subscribe:
                 peers.tell(s, "/registry", SubscribeMsg(self.worker_id, action.n, action.claim,
                                                        action.run_id))
-            elif isinstance(action, Unsubscribe):
+            elif type(action) is Unsubscribe:
                 peers.tell(s, "/registry", UnsubscribeMsg(self.worker_id, action.claim))
-            elif isinstance(action, ClaimReady):
+            elif type(action) is ClaimReady:
                 if self.has_pending():
                     # More slots may be queued for this claim: answer after them,
                     # so one claim takes a batch.
                     self.ref.tell_nowait(action)
                 else:
                     await self._perform(self.machine.answer(action.claim))
-            elif isinstance(action, Answer):
+            elif type(action) is Answer:
                 reply = self.memo.claims.pop(action.claim, None)
                 if reply is not None:
                     reply(list(action.leases))
-            elif isinstance(action, PushCancel):
+            elif type(action) is PushCancel:
                 outbox = self.memo.outbox
                 if outbox is not None:
                     outbox.cancel(action.lease_id, action.reason)
-            elif isinstance(action, Release):
+            elif type(action) is Release:
                 peers.tell(s, f"/leases/{action.lease_id}", ReleaseLease())
-            elif isinstance(action, Return):
+            elif type(action) is Return:
                 peers.tell(s, "/registry", ReturnSpecs(action.specs))
-            elif isinstance(action, Expire):
+            elif type(action) is Expire:
                 await self._expire()
 
     async def _offer(self, action: Offer) -> None:
@@ -290,3 +329,23 @@ class SessionActor(Actor):
 
     def _arm(self) -> None:
         self._due.arm(self.s, self, self.machine.next_deadline())
+
+
+_HANDLERS: dict[type, Callable[[SessionActor, Any], Awaitable[Any]]] = {
+    TakeSlot: SessionActor._take_slot,
+    Offered: SessionActor._offered,
+    SlotFor: SessionActor._slot_for,
+    LeaseEnded: SessionActor._lease_ended,
+    Grant: SessionActor._grant,
+    Attach: SessionActor._attach,
+    Detach: SessionActor._detach,
+    ClaimSlots: SessionActor._claim_slots,
+    AbandonClaim: SessionActor._abandon_claim,
+    ClaimReady: SessionActor._claim_ready,
+    Touch: SessionActor._touch,
+    Due: SessionActor._due_fired,
+    Reregistered: SessionActor._reregistered,
+    Resubscribe: SessionActor._resubscribe,
+    SessionInfo: SessionActor._info,
+    StickyReport: SessionActor._sticky_report,
+}

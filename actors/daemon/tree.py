@@ -35,11 +35,11 @@ from typing import Any
 
 from stepd.actors import ChildSpec, Restart, Strategy, Supervisor
 
-from .lease import LeaseActor, LeaseMemo
+from .lease import LeaseActor
 from .recovery import RecoveryActor
 from .registry import RegistryActor, WorkerInfo
-from .run import RunActor
 from .retention import RetentionActor
+from .run import RunActor
 from .schedule import ScheduleActor
 from .services import Services
 from .session import SessionActor, SessionMemo
@@ -72,12 +72,9 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
         return ChildSpec(run_id, start, restart=Restart.TRANSIENT)
 
     def lease_spec(record: Any, fresh: bool) -> ChildSpec:
-        # One memo per lease for as long as this process knows it, across its
-        # actors' rebuilds too (recovery after a /leases or /registry restart).
-        memo = s.lease_memos.get(record.lease_id)
-        if memo is None:
-            memo = s.lease_memos[record.lease_id] = LeaseMemo()
-        return ChildSpec(record.lease_id, lambda: LeaseActor(s, record, memo, fresh=fresh),
+        # Nothing per lease beyond the spec: what its incarnations hand on is
+        # `s.lease_touched` (lease.py), across rebuilds from new specs too.
+        return ChildSpec(record.lease_id, lambda: LeaseActor(s, record, fresh=fresh),
                          restart=Restart.TRANSIENT)
 
     def session_spec(worker_id: str) -> ChildSpec:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Final
 from stepd.sansio.canonical import filled_definition_hash
 from stepd.sansio.enums import IdentityEnum
 from stepd.sansio.session_spec import SessionSpec
+from stepd.sansio.templates import Renderer, compile_render
 
 END: Final = "$end"
 """The `_next_step` target that ends the run (WORKFLOWS.md "Transitions")."""
@@ -350,12 +351,20 @@ class Definition:
     sessions: Mapping[str, SessionSpec] = field(default_factory=dict)
     _index: dict[str, int] = field(init=False, repr=False, compare=False, default_factory=dict)
     _hash: str | None = field(init=False, repr=False, compare=False, default=None)
+    #: Whether any budget is set: a run of a definition without one checks none
+    #: on each step (set from `budgets`).
+    budgeted: bool = field(init=False, repr=False, compare=False, default=False)
+    #: Each step's ``input`` rendering, compiled at its first use (`input_renderer`).
+    _renderers: dict[str, Renderer] = field(init=False, repr=False, compare=False,
+                                            default_factory=dict)
 
     def __post_init__(self) -> None:
         index: dict[str, int] = {}
         for position, step in enumerate(self.steps):
             index.setdefault(step.id, position)
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "budgeted",
+                           any(v is not None for v in self.budgets.limits().values()))
 
     def __hash__(self) -> int:
         # The generated hash would hash every step's `input`, which may be a dict.
@@ -372,6 +381,20 @@ class Definition:
             KeyError: no step has that id.
         """
         return self.steps[self._index[step_id]]
+
+    def input_renderer(self, step_id: str) -> Renderer:
+        """How step ``step_id``'s ``input`` renders (`templates.compile_render`): compiled
+        once per definition, since every run of it renders the same templates.
+
+        Raises:
+            KeyError: no step has that id.
+            Invalid: its input holds a malformed template (parsed definitions never do).
+        """
+        fn = self._renderers.get(step_id)
+        if fn is None:
+            step = self.steps[self._index[step_id]]
+            fn = self._renderers[step_id] = compile_render(getattr(step, "input", None))
+        return fn
 
     def index_of(self, step_id: str) -> int:
         """The 0-based position of step ``step_id``.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .canonical import state_bytes as canonical_state_bytes
 from .definition import (
@@ -128,7 +128,7 @@ def _retry_of(step: Step) -> Any:
 class _RunBase:
     """The run machine's state and the helpers every layer uses (journal, budgets, endings)."""
 
-    __slots__ = ("definition", "max_depth", "record", "resolve")
+    __slots__ = ("_trace_id", "definition", "max_depth", "record", "resolve")
 
     def __init__(
         self,
@@ -151,6 +151,15 @@ class _RunBase:
         #: The daemon-wide bound on nesting: a run at this depth may not start
         #: children (its `start_workflows` fails the run, `max_child_depth`).
         self.max_depth = max_depth
+        self._trace_id: str | None = None  # `trace_id`, hashed once per run, not per lease
+
+    @property
+    def trace_id(self) -> str:
+        """The run's trace id (`trace_id_for`), which every lease of it carries."""
+        tid = self._trace_id
+        if tid is None:
+            tid = self._trace_id = trace_id_for(self.record.run_id)
+        return tid
 
     # ------------------------------------------------------------------ helpers
 
@@ -176,7 +185,8 @@ class _RunBase:
             key += f"#{f.visit}"
         if slot.item_index is not None:
             key += f"/{slot.item_index}"
-        assert isinstance(step, (TaskStep, ForEachStep))
+        if TYPE_CHECKING:  # only these have attempts; no isinstance at run time, per offer
+            assert isinstance(step, (TaskStep, ForEachStep))
         session = pinned = None
         if step.session is not None:  # AFFINITY.md "Worker sessions": only to the holder
             entry = r.sessions.get(step.session)
@@ -214,10 +224,10 @@ class _RunBase:
         f = self.record.frame
         if f is None or f.step_id != step_id:
             raise Fenced(f"step {step_id!r} is not the run's current step")
-        slot = f.slot(item_index)
-        if slot is None:
-            raise Fenced(f"slot {slot_key(step_id, item_index)} has no attempt in flight")
-        return f, slot
+        for slot in f.slots:  # `Frame.slot`, inlined: every attempt event looks its slot up
+            if slot.item_index == item_index:
+                return f, slot
+        raise Fenced(f"slot {slot_key(step_id, item_index)} has no attempt in flight")
 
     def _live_slot(self, step_id: str, item_index: int | None, fence: int) -> tuple[Frame, Slot]:
         f, slot = self._slot(step_id, item_index)
@@ -233,6 +243,8 @@ class _RunBase:
         return None if f is None else f.step_id
 
     def _check(self, **values: int | None) -> tuple[str, int, int] | None:
+        """The first budget `values` breach, or None. Callers skip it for a definition
+        without budgets (`Definition.budgeted`): the common case, on every step."""
         budgets = self.definition.budgets
         for name, value in values.items():
             if value is None:

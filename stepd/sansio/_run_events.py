@@ -19,7 +19,6 @@ from ._run_base import (
     _retry_of,
     iso_ms,
     span_id_for,
-    trace_id_for,
 )
 from ._run_local import _RunLocal
 from .definition import (
@@ -111,7 +110,7 @@ class _RunEvents(_RunLocal):
             "state": dict(self.record.state),
             "correlation": self.record.correlation,
             "idempotency_key": spec.idempotency_key,
-            "trace_id": trace_id_for(self.record.run_id),
+            "trace_id": self.trace_id,
             "span_id": span_id_for(ev.lease_id),
             "timeout_ms": spec.timeout_ms,
         }
@@ -200,7 +199,8 @@ class _RunEvents(_RunLocal):
         if patch is not None and not isinstance(patch, dict):
             raise Invalid("must be an object", field="state_patch")
         step = self.definition.step(f.step_id)
-        jump = _jump_of(ev.output) if isinstance(step, TaskStep) else None
+        is_task = type(step) is TaskStep  # steps are final classes: no isinstance per step
+        jump = _jump_of(ev.output) if is_task else None
         if jump is not None and jump != END:
             try:
                 self.definition.index_of(jump)
@@ -216,7 +216,7 @@ class _RunEvents(_RunLocal):
             # A worker claims only a cursor it verified against this lease (or fetched
             # for it): anything else is refused whole, nothing applied.
             raise Invalid("is not the history cursor of this lease", field="sticky_cursor")
-        if sticky is not None and isinstance(step, TaskStep):
+        if sticky is not None and is_task:
             claim_holder(sticky, slot.worker_id or "", ev.sticky)
         tr = Transition()
         self._add_usage(ev.usage)
@@ -227,7 +227,7 @@ class _RunEvents(_RunLocal):
             spans=list(ev.spans) if ev.spans else None,
         )
         slot.phase = SlotPhase.DONE
-        if isinstance(step, TaskStep):
+        if isinstance(step, TaskStep):  # is_task, narrowed for the type checker
             tr.journal[-1]["output"] = ev.output  # even null: see `_finish_step`
             f.slots.remove(slot)
             nxt = self._finish_step(
@@ -245,7 +245,7 @@ class _RunEvents(_RunLocal):
         breach = self._check(
             max_cost_units=r.cost_units + slot.cost_units,
             max_state_bytes=None if not patch else self._size({**r.state, **patch}),
-        )
+        ) if self.definition.budgeted else None
         if breach is not None:
             self._breach(breach, step.id, tr, now)
             return tr

@@ -13,7 +13,6 @@ from ._run_base import (
     MAX_IMMEDIATE_STEPS,
     MAX_RUN_ID_BYTES,
     _retry_of,
-    _RunBase,
     child_run_id,
 )
 from ._run_sessions import _RunSessions
@@ -71,12 +70,13 @@ class _RunSteps(_RunSessions):
         r.frame = f
         self._journal(tr, now, "step_scheduled", step_id=step.id, kind=step.kind.text,
                       visit=visit)
-        if isinstance(step, (TaskStep, ForEachStep)) and step.session is not None \
+        # Steps are final classes: by exact type, no isinstance per step.
+        if (type(step) is TaskStep or type(step) is ForEachStep) and step.session is not None \
                 and self._session_unusable(step.session, step.id, tr, now):
             return None
         if isinstance(step, TaskStep):
             try:
-                rendered = render(step.input, self._ctx())
+                rendered = self.definition.input_renderer(step.id)(self._ctx())
             except TemplateError as exc:
                 return self._template_failure(step, exc, tr, now)
             f.slots.append(Slot(item_index=None, input=rendered, cost_units=step.cost_units,
@@ -122,9 +122,10 @@ class _RunSteps(_RunSessions):
             self._breach(("max_for_each_items", limit, len(items)), step.id, tr, now)
             return None
         inputs = []
+        renderer = self.definition.input_renderer(step.id)
         for i, item in enumerate(items):
             try:
-                inputs.append(render(step.input, self._ctx(item=item, item_index=i)))
+                inputs.append(renderer(self._ctx(item=item, item_index=i)))
             except TemplateError as exc:
                 return self._template_failure(step, exc, tr, now)
         f.total = len(items)
@@ -247,7 +248,7 @@ class _RunSteps(_RunSessions):
             max_transitions=r.transitions + 1,
             max_cost_units=r.cost_units + cost_delta if cost_delta else None,
             max_state_bytes=size if changed else None,
-        )
+        ) if self.definition.budgeted else None
         if breach is not None:
             self._breach(breach, step.id, tr, now)
             return None

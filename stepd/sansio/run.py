@@ -65,8 +65,8 @@ from .events import (
     ChildFinished,
     Event,
     InternalFailure,
-    SessionChanged,
     Retry,
+    SessionChanged,
     SignalReceived,
     Tick,
     Transition,
@@ -319,16 +319,14 @@ class RunMachine(_RunEvents):
                 that is not an object).
         In every raising case, nothing changed.
         """
-        key = (self.record.status, type(event))
-        entry = TRANSITIONS.get(key)
-        if entry is None:
+        handler = _HANDLERS.get((self.record.status, type(event)))
+        if handler is None:
             if self.record.status.terminal and type(event) in _TERMINAL_CONFLICTS:
                 raise RunTerminal(f"run {self.record.run_id} is {self.record.status.value}")
             raise IllegalTransition(
                 f"{type(event).__name__} is not allowed when run {self.record.run_id} "
                 f"is {self.record.status.value}"
             )
-        handler: Callable[[RunMachine, Any, int], Transition] = getattr(RunMachine, entry[0])
         tr = handler(self, event, now_ms)
         self.record.updated_at = now_ms
         return tr
@@ -449,6 +447,11 @@ def _stale_attempt(self: RunMachine, ev: Any, now: int) -> Transition:
 
 
 RunMachine._stale_attempt = _stale_attempt  # type: ignore[attr-defined]
+
+#: `TRANSITIONS` with each handler looked up once: `handle` runs on every event.
+_HANDLERS: dict[tuple[RunStatus, type], Callable[[RunMachine, Any, int], Transition]] = {
+    key: getattr(RunMachine, name) for key, (name, _) in TRANSITIONS.items()
+}
 
 
 def mermaid() -> str:

@@ -54,8 +54,17 @@ SlotKey = tuple[str, str, "int | None"]  # (run_id, step_id, item_index)
 
 
 def _held(lease: dict[str, Any]) -> dict[str, Any]:
-    return {k: lease.get(k) for k in ("lease_id", "run_id", "step_id", "item_index", "attempt",
-                                      "fence")}
+    # Spelled out, not a comprehension of .get: one per lease offered (a lease the
+    # run made has every key; a partial one, in tests, gets None for the missing).
+    try:
+        return {"lease_id": lease["lease_id"], "run_id": lease["run_id"],
+                "step_id": lease["step_id"], "item_index": lease["item_index"],
+                "attempt": lease["attempt"], "fence": lease["fence"]}
+    except KeyError:
+        get = lease.get
+        return {"lease_id": get("lease_id"), "run_id": get("run_id"), "step_id": get("step_id"),
+                "item_index": get("item_index"), "attempt": get("attempt"),
+                "fence": get("fence")}
 
 
 def slot_of(spec: AttemptSpec) -> SlotKey:
@@ -182,6 +191,8 @@ class SessionMachine:
     def next_deadline(self) -> int | None:
         """When `tick` has something to do: the earliest claim deadline, or the expiry."""
         # Read after every message: no generator over an empty dict (the push path has no claims).
+        if self.attached is not None and not self.claims:
+            return None  # a push connection holds it: not idle, no claim (every step's case)
         due = min([c.deadline for c in self.claims.values()]) if self.claims else None
         if self.idle() and self.expiry_ms > 0:
             expiry = self.last_active + self.expiry_ms
@@ -247,18 +258,19 @@ class SessionMachine:
         if claim is None:
             if self.attached is None:
                 return [Return((spec,))]  # the connection went away meanwhile
-            self.credit = max(0, self.credit - 1)
+            if self.credit > 0:
+                self.credit -= 1
         else:
             c = self.claims.get(claim)
             if c is None:
                 return [Return((spec,))]  # the claim was answered or abandoned meanwhile
             c.pending += 1
-        self.in_hand[slot_of(spec)] = claim
+        self.in_hand[(spec.run_id, spec.step_id, spec.item_index)] = claim  # slot_of(spec)
         return [Offer(spec, claim)]
 
     def offered(self, spec: AttemptSpec, lease: dict[str, Any] | None, now: int) -> list[Action]:
         """The run answered an `Offer`: a lease, or None (the slot had moved on)."""
-        claim = self.in_hand.pop(slot_of(spec), None)
+        claim = self.in_hand.pop((spec.run_id, spec.step_id, spec.item_index), None)
         out: list[Action] = []
         if claim is None:  # push credit
             if lease is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,6 +41,7 @@ __all__ = [
     "Template",
     "TemplateContext",
     "TemplatePath",
+    "compile_render",
     "iter_templates",
     "parse_template",
     "render",
@@ -334,6 +335,70 @@ def render(value: Any, ctx: TemplateContext) -> Any:
     if isinstance(value, (list, tuple)):
         return [render(child, ctx) for child in value]
     return value
+
+
+#: `render` of one value, compiled (`compile_render`): ``renderer(ctx)``.
+Renderer = Callable[["TemplateContext"], Any]
+
+
+def compile_render(value: Any) -> Renderer:
+    """`render` of `value` as one function, for a value rendered again and again (a
+    step's ``input``, once per visit and item).
+
+    What `render` decides anew each time (which strings hold templates, which
+    children are containers, the parse) is decided here once: the function
+    copies a container with its literal members in place and fills in only
+    what holds a template, in the same key order; the result is what
+    `render(value, ctx)` returns, containers rebuilt, and the same errors.
+
+    Raises:
+        Invalid: a string is not a valid template (as `render` would).
+    """
+    if isinstance(value, str):
+        if "$" not in value:
+            return functools.partial(_same, value)
+        template = parse_template(value)
+        if template.exact is not None:
+            return functools.partial(_resolve, template.exact)
+        return template.render
+    if isinstance(value, dict):
+        base = dict(value)
+        parts = tuple((key, compile_render(child)) for key, child in value.items()
+                      if not _literal(child))
+        return functools.partial(_render_dict, base, parts)
+    if isinstance(value, (list, tuple)):
+        if all(_literal(child) for child in value):
+            return functools.partial(_copy_list, value)
+        fns = tuple(compile_render(child) for child in value)
+        return functools.partial(_render_list, fns)
+    return functools.partial(_same, value)
+
+
+def _literal(value: Any) -> bool:
+    """A scalar that renders as itself (a container is always rebuilt)."""
+    if isinstance(value, str):
+        return "$" not in value
+    return not isinstance(value, (dict, list, tuple))
+
+
+def _same(value: Any, ctx: TemplateContext) -> Any:
+    return value
+
+
+def _copy_list(value: list[Any] | tuple[Any, ...], ctx: TemplateContext) -> list[Any]:
+    return list(value)
+
+
+def _render_dict(base: dict[str, Any], parts: tuple[tuple[str, Renderer], ...],
+                 ctx: TemplateContext) -> dict[str, Any]:
+    out = base.copy()
+    for key, fn in parts:
+        out[key] = fn(ctx)
+    return out
+
+
+def _render_list(fns: tuple[Renderer, ...], ctx: TemplateContext) -> list[Any]:
+    return [fn(ctx) for fn in fns]
 
 
 def _resolve(path: TemplatePath, ctx: TemplateContext) -> Any:

@@ -16,6 +16,7 @@ from stepd.sansio.templates import (
     Template,
     TemplateContext,
     TemplatePath,
+    compile_render,
     iter_templates,
     parse_template,
     render,
@@ -394,3 +395,48 @@ def test_interpolation_is_concatenation(pieces: list[str]) -> None:
         assert out == "r_01J"
     else:
         assert out == expected
+
+
+# --- compiled rendering (compile_render: a step's input, compiled once per definition) ----
+
+_PIECES = ["${input.ticket}", "${state.tasks}", "${steps.plan}", "${run.id}",
+           "ticket ${input.ticket}!", "$5", "$${x}", "plain", 7, 0.5, None, True]
+_VALUES = st.recursive(
+    st.sampled_from(_PIECES),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.sampled_from(["a", "b", "c", "acc"]), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(_VALUES)
+def test_a_compiled_renderer_renders_what_render_does(value: Any) -> None:
+    compiled = compile_render(value)
+    for context in (ctx(), ctx(state={"tasks": []})):
+        out = compiled(context)
+        assert out == render(value, context)
+        if isinstance(value, dict):
+            assert list(out) == list(value)  # the same key order
+            assert out is not value  # containers are rebuilt, as render rebuilds them
+
+
+def test_a_compiled_renderer_rebuilds_containers_every_time() -> None:
+    value = {"i": 1, "nested": {"k": [1, 2]}, "acc": "${steps.plan}"}
+    compiled = compile_render(value)
+    first, second = compiled(ctx()), compiled(ctx())
+    assert first == second == render(value, ctx())
+    assert first is not second and first["nested"] is not second["nested"]
+    assert first["nested"]["k"] is not value["nested"]["k"]
+    first["nested"]["k"].append(3)
+    assert value["nested"]["k"] == [1, 2]  # the definition's own value is never handed out
+
+
+def test_a_compiled_renderer_raises_what_render_raises() -> None:
+    compiled = compile_render({"x": "${steps.nope.field}"})
+    with pytest.raises(TemplateError) as caught:
+        compiled(ctx())
+    with pytest.raises(TemplateError) as expected:
+        render({"x": "${steps.nope.field}"}, ctx())
+    assert (caught.value.path, str(caught.value)) == (expected.value.path, str(expected.value))
+    with pytest.raises(Invalid):
+        compile_render({"x": "${nope}"})
