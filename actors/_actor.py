@@ -234,7 +234,10 @@ class Actor:
         Raises:
             RuntimeError: the actor was never started.
         """
-        self._rt().request_stop()
+        rt = self._actor_runtime  # `_rt()` inlined: a lease actor stops on every step
+        if rt is None:
+            raise self._not_running()
+        rt.request_stop()
 
     def has_pending(self) -> bool:
         """True when messages or fired timers wait to be handled.

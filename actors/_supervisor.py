@@ -54,6 +54,7 @@ from ._errors import (
     SupervisorEscalation,
 )
 from ._intensity import add_restart
+from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, stop_now
 from ._ref import ActorRef, Cell, SupervisorRef
 from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
@@ -157,21 +158,13 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if not isinstance(spec, ChildSpec):
+        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child() takes a ChildSpec, got {spec!r}")
-        rt = self._rt()
-        if not self._accepting:
-            raise ActorDead(rt.path, rt.reason)
-        if spec.id in self._children:
-            raise ChildExists(_child_path(rt.path, spec.id))
-        cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-        child = _Child(spec, cell)
-        self._children[spec.id] = child
-        cell.register()
+        cell, child = self._new_child(spec)
         try:
             runtime = self._incarnate(child)
             if runtime.start_hook:
-                await runtime.start_inline()
+                await start_inline(runtime)
             else:
                 runtime.mark_started()  # nothing to wait for: an object and a dict entry
         except BaseException:
@@ -197,25 +190,45 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if not isinstance(spec, ChildSpec):
+        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child_nowait() takes a ChildSpec, got {spec!r}")
-        rt = self._rt()
-        if not self._accepting:
-            raise ActorDead(rt.path, rt.reason)
-        if spec.id in self._children:
-            raise ChildExists(_child_path(rt.path, spec.id))
-        cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-        child = _Child(spec, cell)
-        runtime = self._incarnate(child)
-        self._children[spec.id] = child
-        cell.register()
+        cell, child = self._new_child(spec)
+        try:
+            runtime = self._incarnate(child)
+        except BaseException:
+            self._remove(child)
+            raise
         if not runtime.start_hook:
             runtime.mark_started()
         elif runtime.actor.sync_start:
-            runtime.start_now()
+            start_now(runtime)
         else:
-            runtime.start_soon()
+            start_soon(runtime)
         return cell.ref()
+
+    def _new_child(self, spec: ChildSpec) -> tuple[Cell, _Child]:
+        """Register a child record and its cell for `spec` (no incarnation yet).
+
+        Raises:
+            ActorDead: this supervisor is not running (or is stopping).
+            ChildExists: the id is taken.
+        """
+        rt = self._actor_runtime
+        if rt is None:
+            raise self._not_running()
+        if not self._accepting:
+            raise ActorDead(rt.cell.path, rt.reason)
+        children = self._children
+        child_id = spec.id
+        parent = rt.cell
+        path = parent.path
+        path = "/" + child_id if path == "/" else path + "/" + child_id
+        if child_id in children:
+            raise ChildExists(path)
+        cell = Cell(path, parent.registry)
+        child = children[child_id] = _Child(spec, cell)
+        parent.registry[path] = cell  # `cell.register()`, inlined
+        return cell, child
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
@@ -227,13 +240,12 @@ class Supervisor(Actor):
         Raises:
             ActorNotFound: no child has this id.
         """
-        rt = self._rt()
         child = self._children.get(child_id)
         if child is None:
-            raise ActorNotFound(_child_path(rt.path, child_id))
+            raise ActorNotFound(_child_path(self._rt().path, child_id))
         self._remove(child)
         runtime = child.runtime
-        if runtime is not None and runtime.stop_now():
+        if runtime is not None and stop_now(runtime):
             return  # idle, no on_stop: stopped synchronously
         await self._stop_incarnation(child)
 
@@ -315,9 +327,15 @@ class Supervisor(Actor):
 
     def _remove(self, child: _Child) -> None:
         child.removed = True
-        if self._children.get(child.spec.id) is child:
-            del self._children[child.spec.id]
-        child.cell.retire()
+        children = self._children
+        child_id = child.spec.id
+        if children.get(child_id) is child:
+            del children[child_id]
+        cell = child.cell
+        cell.retired = True  # `cell.retire()`, inlined (one per lease)
+        registry = cell.registry
+        if registry.get(cell.path) is cell:
+            del registry[cell.path]
         runtime = child.runtime
         if runtime is not None and runtime.done:
             runtime.release()
@@ -330,9 +348,11 @@ class Supervisor(Actor):
                 actor cannot run (a bad `mailbox_size`, a reused instance).
             ActorDead: this supervisor is ending.
         """
-        rt = self._rt()
+        rt = self._actor_runtime
+        if rt is None:
+            raise self._not_running()
         if rt.closed or rt.cancelled:
-            raise ActorDead(rt.path, rt.reason)
+            raise ActorDead(rt.cell.path, rt.reason)
         try:
             actor = child.spec.start()
             if not isinstance(actor, Actor):
@@ -344,13 +364,17 @@ class Supervisor(Actor):
             raise StartFailed(child.cell.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
         child.runtime = runtime
-        child.cell.current = runtime
+        cell = child.cell
+        cell.current = runtime  # `cell.install(runtime)`, inlined
+        ref = cell.cached_ref
+        if ref is not None and type(ref) is not actor._actor_ref_type:
+            cell.cached_ref = None
         return runtime
 
     async def _start_incarnation(self, child: _Child) -> ActorRef:
         runtime = self._incarnate(child)
         if runtime.start_hook:
-            await runtime.start_inline()
+            await start_inline(runtime)
         else:
             runtime.mark_started()
         return child.cell.ref()
@@ -358,16 +382,18 @@ class Supervisor(Actor):
     def _child_exited(self, child: _Child, runtime: Runtime, reason: BaseException | None) -> None:
         rt = self._actor_runtime
         if rt is not None and not rt.closed:
-            item = _ChildExit(child, runtime, reason)
-            if not rt.busy and not rt.sysq and not rt.cancelled and rt.started \
-                    and self._actor_system_item_now(item):
-                # Idle, nothing queued ahead of it, and bookkeeping that cannot
-                # wait (a lease ending, a run passivating): done here, in the
-                # exiting child's owner, exactly as a turn would have done it
-                # (one handler at a time: nothing else holds this supervisor,
-                # and nothing runs between the check and the bookkeeping).
+            if not rt.busy and not rt.sysq and not rt.cancelled and rt.started and (
+                reason is None and child.spec.restart is not Restart.PERMANENT
+            ):
+                # Idle, nothing queued ahead of it, and a normal exit of a child
+                # not restarted after one (a lease ending, a run passivating):
+                # bookkeeping that cannot wait, done here, in the exiting
+                # child's owner, exactly as a turn would have done it (one
+                # handler at a time: nothing else holds this supervisor, and
+                # nothing runs between the check and the bookkeeping).
+                self._remove(child)
                 return
-            rt.sysq.append(item)
+            rt.sysq.append(_ChildExit(child, runtime, reason))
             rt.notify()
 
     async def _stop_incarnation(self, child: _Child) -> None:
@@ -383,7 +409,7 @@ class Supervisor(Actor):
         if shutdown is None:
             shutdown = float("inf") if runtime.actor._actor_is_supervisor else (
                 DEFAULT_WORKER_SHUTDOWN)
-        await runtime.stop_gracefully(shutdown)
+        await stop_gracefully(runtime, shutdown)
 
     async def _actor_system_item(self, item: object) -> None:
         if type(item) is _ChildExit:

@@ -32,7 +32,12 @@ __all__ = ["Waiter", "cancel_scope_token", "current_time"]
 
 _get_running_loop = asyncio.get_running_loop
 _running_loop = asyncio._get_running_loop  # None outside asyncio, without raising
-_current_task = asyncio.current_task
+_InvalidStateError = asyncio.InvalidStateError
+# `asyncio.current_task()` is a Python function on 3.11 (a loop lookup and this
+# dict's get); the dict itself answers in one C call. Newer Pythons may keep
+# it elsewhere: then `current_task` itself.
+_current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
+_task_of = _current_tasks.get if isinstance(_current_tasks, dict) else asyncio.current_task
 
 
 def current_time() -> float:
@@ -55,14 +60,16 @@ def current_time() -> float:
 
 
 class Waiter:
-    """Wake one waiting task, once."""
+    """Wake one waiting task, once.
 
-    __slots__ = ("_fut", "_is_set", "_task")
+    No `__init__` and no slots: its three fields start as class attributes,
+    so making one (every ask through a mailbox, every parked dispatcher or
+    reader) runs no Python code at all.
+    """
 
-    def __init__(self) -> None:
-        self._is_set = False
-        self._fut: asyncio.Future[None] | None = None
-        self._task: Any = None  # a trio task parked in wait()
+    _is_set = False
+    _fut: asyncio.Future[None] | None = None
+    _task: Any = None  # a trio task parked in wait()
 
     def is_set(self) -> bool:
         return self._is_set
@@ -74,8 +81,10 @@ class Waiter:
         fut = self._fut
         if fut is not None:
             self._fut = None
-            if not fut.done():
+            try:
                 fut.set_result(None)
+            except _InvalidStateError:  # cancelled meanwhile: its waiter is leaving
+                pass
             return
         task = self._task
         if task is not None:
@@ -90,9 +99,8 @@ class Waiter:
         """
         if self._is_set:
             return
-        try:
-            loop = _get_running_loop()
-        except RuntimeError:
+        loop = _running_loop()
+        if loop is None:
             await self._wait_trio()
             return
         fut = self._fut = loop.create_future()
@@ -138,8 +146,9 @@ def cancel_scope_token() -> object:
     the safe answer.
     """
     global _cached_task, _cached_state
-    if _running_loop() is not None:
-        task = _current_task()
+    loop = _running_loop()
+    if loop is not None:
+        task = _task_of(loop)
         if task is _cached_task:
             return _cached_state.cancel_scope
         states = _states if _states is not None else _asyncio_states()
