@@ -300,14 +300,18 @@ class Actor:
     _actor_start_hook: ClassVar[bool] = False
     _actor_stop_hook: ClassVar[bool] = False
 
+    #: The class keeps `Actor`'s `_actor_start` / `_actor_stop` (only `Supervisor`
+    #: does not): the runtime then calls `on_start` / `on_stop` directly, one
+    #: coroutine frame fewer (a lease actor starts on every step).
+    _actor_plain_start: ClassVar[bool] = True
+    _actor_plain_stop: ClassVar[bool] = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._actor_start_hook = (
-            cls.on_start is not Actor.on_start or cls._actor_start is not Actor._actor_start
-        )
-        cls._actor_stop_hook = (
-            cls.on_stop is not Actor.on_stop or cls._actor_stop is not Actor._actor_stop
-        )
+        cls._actor_plain_start = cls._actor_start is Actor._actor_start
+        cls._actor_plain_stop = cls._actor_stop is Actor._actor_stop
+        cls._actor_start_hook = cls.on_start is not Actor.on_start or not cls._actor_plain_start
+        cls._actor_stop_hook = cls.on_stop is not Actor.on_stop or not cls._actor_plain_stop
 
     async def _actor_start(self) -> None:
         await self.on_start()

@@ -46,7 +46,9 @@ async def start_inline(rt: Runtime) -> None:
     """
     rt.busy = True
     try:
-        await drive(rt, rt.actor._actor_start(), None, None, scoped=True)
+        actor = rt.actor
+        coro = actor.on_start() if actor._actor_plain_start else actor._actor_start()
+        await drive(rt, coro, None, None, scoped=True)
     except BaseException as exc:
         reason: BaseException | None
         if rt.cancelled:
@@ -78,7 +80,8 @@ def start_now(rt: Runtime) -> None:
     as there; a hook that waits anyway is one too.
     """
     rt.busy = True
-    coro = rt.actor._actor_start()
+    actor = rt.actor  # `on_start` itself unless the class wraps it (a supervisor)
+    coro = actor.on_start() if actor._actor_plain_start else actor._actor_start()
     try:
         coro.send(None)
     except StopIteration:
@@ -157,8 +160,9 @@ async def stop_sequence(
     if rt.started and rt.stop_hook and not rt.cancelled:
         deadline = current_time() + timeout if timeout != math.inf else math.inf
         try:
-            await drive(rt, rt.actor._actor_stop(reason), base, sched, shield=True,
-                        deadline=deadline, scoped=True)
+            actor = rt.actor
+            coro = actor.on_stop(reason) if actor._actor_plain_stop else actor._actor_stop(reason)
+            await drive(rt, coro, base, sched, shield=True, deadline=deadline, scoped=True)
         except Killed:
             if reason is None:
                 reason = rt.cancel_reason

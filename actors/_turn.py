@@ -39,7 +39,9 @@ def _is_cancel(exc: BaseException) -> bool:
 async def _start_in_turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> bool:
     rt.start_pending = False
     try:
-        await drive(rt, rt.actor._actor_start(), base, sched, scoped=True)
+        actor = rt.actor
+        coro = actor.on_start() if actor._actor_plain_start else actor._actor_start()
+        await drive(rt, coro, base, sched, scoped=True)
     except BaseException as exc:
         if rt.cancelled:
             rt._end(rt.cancel_reason)
