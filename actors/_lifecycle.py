@@ -21,7 +21,7 @@ import anyio
 
 from ._drive import Killed, drive
 from ._errors import StartFailed
-from ._runtime import RUNNING, STOPPING, Runtime
+from ._runtime import RUNNING, STARTING, STOPPING, Runtime
 from ._types import SchedulerLike
 from ._waiter import cancel_scope_token, current_time
 
@@ -85,7 +85,14 @@ def start_now(rt: Runtime) -> None:
     try:
         coro.send(None)
     except StopIteration:
-        rt.mark_started()
+        rt.started = True  # `rt.mark_started()`, inlined: a lease actor starts per step
+        rt.stamp = rt.system._wall_stamp()
+        if rt.state == STARTING:
+            if rt.stop_requested:
+                rt.state = STOPPING
+            else:
+                rt.state = RUNNING
+                rt.inline = rt.accepting
         rt.busy = False
         if rt.stop_requested or rt.queue or rt.sysq:
             rt.release_owner()

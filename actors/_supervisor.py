@@ -204,7 +204,10 @@ class Supervisor(Actor):
             start_now(runtime)
         else:
             start_soon(runtime)
-        return cell.ref()
+        ref = cell.cached_ref  # `cell.ref()`, inlined: a new cell has none yet
+        if ref is None:
+            ref = cell.cached_ref = runtime.actor._actor_ref_type(cell)
+        return ref
 
     def _new_child(self, spec: ChildSpec) -> tuple[Cell, _Child]:
         """Register a child record and its cell for `spec` (no incarnation yet).
