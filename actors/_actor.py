@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Protocol
 
 from ._clock import Clock
 from ._errors import ActorDead
-from ._messages import _VERDICTS, check_message
+from ._messages import _IMMUTABLE, check_message
 from ._ref import ActorRef, Cell, SupervisorRef
 from ._spec import ChildSpec
 from ._stats import ActorStatistics, ActorTree
@@ -263,7 +263,7 @@ class Actor:
         rt = self._actor_runtime  # `_rt()` inlined: timers are armed and cancelled on every step
         if rt is None:
             raise self._not_running()
-        if _VERDICTS.get(type(message)) is not True:  # as ActorRef.tell: a known type is immutable
+        if type(message) not in _IMMUTABLE:  # as ActorRef.tell: a known type is immutable
             check_message(message)
         if math.isnan(deadline):
             raise ValueError("deadline must be a number of seconds, got NaN")

@@ -25,7 +25,7 @@ import anyio.lowlevel
 from ._drive import Killed, rest, resume
 from ._errors import ActorDead
 from ._mailbox import Ask
-from ._messages import _VERDICTS, check_message
+from ._messages import _IMMUTABLE, check_message
 from ._spec import ChildSpec, Strategy
 from ._stats import ActorStatistics
 from ._types import SchedulerLike, ScopedActor
@@ -250,7 +250,7 @@ class ActorRef:
         if _calls >= CHECKPOINT_EVERY:
             _calls = 0
             await _checkpoint()
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
         cell = self._cell  # `_runtime()` inlined: its checks, without the call
         rt = cell.current
@@ -277,7 +277,7 @@ class ActorRef:
             MutableMessageError: `message` is not of an immutable type.
             ActorDead: no incarnation accepts messages at this path.
         """
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
         cell = self._cell
         rt = cell.current
@@ -312,7 +312,7 @@ class ActorRef:
             MutableMessageError: `message` is not of an immutable type.
             Exception: the handler's exception if listed in `reply_errors`.
         """
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
         cell = self._cell
         rt = cell.current
@@ -367,7 +367,7 @@ class ActorRef:
         if _calls >= CHECKPOINT_EVERY:
             _calls = 0
             await _checkpoint()
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
         cell = self._cell
         rt = cell.current

@@ -58,7 +58,6 @@ from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, st
 from ._ref import ActorRef, Cell, SupervisorRef
 from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
-from ._stats import ActorTree
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
@@ -210,12 +209,7 @@ class Supervisor(Actor):
         return ref
 
     def _new_child(self, spec: ChildSpec) -> tuple[Cell, _Child]:
-        """Register a child record and its cell for `spec` (no incarnation yet).
-
-        Raises:
-            ActorDead: this supervisor is not running (or is stopping).
-            ChildExists: the id is taken.
-        """
+        """Register a record and a cell for `spec` (`ActorDead`, `ChildExists`)."""
         rt = self._actor_runtime
         if rt is None:
             raise self._not_running()
@@ -263,19 +257,6 @@ class Supervisor(Actor):
     async def receive(self, message: Any) -> Any:
         """Supervisors handle no messages of their own; asks get `None`."""
         return None
-
-    # -- introspection --------------------------------------------------------
-
-    def _tree(self, cell: Cell) -> ActorTree:
-        children = []
-        for child in list(self._children.values()):
-            rt = child.runtime
-            actor = rt.actor if rt is not None and not rt.done else None
-            if isinstance(actor, Supervisor):
-                children.append(actor._tree(child.cell))
-            else:
-                children.append(ActorTree(child.cell.statistics()))
-        return ActorTree(cell.statistics(), tuple(children))
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -45,6 +45,19 @@ from ._timers import TimerService
 __all__ = ["ActorSystem"]
 
 
+def _tree(sup: Supervisor, cell: Cell) -> ActorTree:
+    """The subtree of `sup` (at `cell`), children in start order."""
+    children = []
+    for child in list(sup._children.values()):
+        rt = child.runtime
+        actor = rt.actor if rt is not None and not rt.done else None
+        if isinstance(actor, Supervisor):
+            children.append(_tree(actor, child.cell))
+        else:
+            children.append(ActorTree(child.cell.statistics()))
+    return ActorTree(cell.statistics(), tuple(children))
+
+
 def _split(path: str) -> tuple[str, str]:
     parent, _, child_id = path.rpartition("/")
     return parent or "/", child_id
@@ -320,7 +333,7 @@ class ActorSystem:
         rt = self._root_rt
         if rt is None:
             raise RuntimeError("the actor system is not running")
-        return self._root._tree(rt.cell)
+        return _tree(self._root, rt.cell)
 
     def statistics(self, path: str) -> ActorStatistics:
         """Return a snapshot of the actor at `path`.
