@@ -80,20 +80,35 @@ class ExitWatcher(Protocol):
     ) -> None: ...
 
 
-class _Child:
-    """A supervisor's record of one child: its spec, cell and current incarnation.
+class _Child(Cell):
+    """A supervisor's child: its cell (the registry entry at its path) and its record.
 
+    One object, not a cell and a record beside it: a lease actor is started
+    per step. The record adds the spec, the current incarnation (also kept
+    after it ended, unlike `current`) and whether the supervisor removed it.
     Here, not in `_supervisor`, because an incarnation reports its exit with it.
     """
 
-    __slots__ = ("cell", "last_reason", "removed", "runtime", "spec")
+    __slots__ = ("last_reason", "removed", "runtime", "spec")
 
-    def __init__(self, spec: ChildSpec, cell: Cell) -> None:
+    def __init__(self, path: str, registry: dict[str, Cell], spec: ChildSpec) -> None:
+        # `Cell.__init__`'s fields, set here: one call per child, not two.
+        self.path = path
+        self.registry = registry
+        self.current = None
+        self.kind = "?"
+        self.restarts = 0
+        self.retired = False
+        self.cached_ref = None
         self.spec = spec
-        self.cell = cell
         self.runtime: Runtime | None = None
         self.removed = False
         self.last_reason: BaseException | None = None  # handed to the next incarnation
+
+    @property
+    def cell(self) -> Cell:
+        """The child's registry entry: the child itself."""
+        return self
 
 
 class Runtime:
@@ -467,9 +482,10 @@ class Runtime:
         self.child = self.sup = None
         if child is not None:
             if child.removed:
-                cell = self.cell  # `release()`, inlined: a stopped child is usually removed
-                if cell.current is self:
-                    cell.current = None
+                if child.current is self:  # `release()`, inlined: a stopped child
+                    child.current = None  # is usually removed already
+                if child.runtime is self:
+                    child.runtime = None
                 actor = self.actor
                 if actor._actor_runtime is self:
                     actor._actor_runtime = None
@@ -479,14 +495,18 @@ class Runtime:
     def release(self) -> None:
         """Break the cycles of a finished incarnation whose child is gone for good.
 
-        The actor and its runtime refer to each other, and so do the cell and
-        the runtime: left alone, every finished incarnation is cyclic garbage.
-        A daemon finishes a lease actor per step, and the full GC passes that
-        garbage brings (each walking every live object) cost a third of its
-        CPU under load. Once released, plain reference counting frees it.
+        The actor and its runtime refer to each other, and so do the cell (a
+        child record) and the runtime: left alone, every finished incarnation
+        is cyclic garbage. A daemon finishes a lease actor per step, and the
+        full GC passes that garbage brings (each walking every live object)
+        cost a third of its CPU under load. Once released, plain reference
+        counting frees it.
         """
-        if self.cell.current is self:
-            self.cell.current = None
+        cell = self.cell
+        if cell.current is self:
+            cell.current = None
+        if type(cell) is _Child and cell.runtime is self:
+            cell.runtime = None
         if self.actor._actor_runtime is self:
             self.actor._actor_runtime = None
 

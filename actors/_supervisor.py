@@ -55,7 +55,7 @@ from ._errors import (
 )
 from ._intensity import add_restart
 from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, stop_now
-from ._ref import ActorRef, Cell, SupervisorRef
+from ._ref import ActorRef, SupervisorRef
 from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 
@@ -159,7 +159,7 @@ class Supervisor(Actor):
         """
         if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child() takes a ChildSpec, got {spec!r}")
-        cell, child = self._new_child(spec)
+        child = self._new_child(spec)
         try:
             runtime = self._incarnate(child)
             if runtime.start_hook:
@@ -170,7 +170,7 @@ class Supervisor(Actor):
             if self._children.get(spec.id) is child:
                 self._remove(child)
             raise
-        return cell.ref()
+        return child.ref()
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a child without waiting for its `on_start`; return its ref at once.
@@ -191,7 +191,7 @@ class Supervisor(Actor):
         """
         if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child_nowait() takes a ChildSpec, got {spec!r}")
-        cell, child = self._new_child(spec)
+        child = self._new_child(spec)
         try:
             runtime = self._incarnate(child)
         except BaseException:
@@ -203,13 +203,13 @@ class Supervisor(Actor):
             start_now(runtime)
         else:
             start_soon(runtime)
-        ref = cell.cached_ref  # `cell.ref()`, inlined: a new cell has none yet
+        ref = child.cached_ref  # `child.ref()`, inlined: a new cell has none yet
         if ref is None:
-            ref = cell.cached_ref = runtime.actor._actor_ref_type(cell)
+            ref = child.cached_ref = runtime.actor._actor_ref_type(child)
         return ref
 
-    def _new_child(self, spec: ChildSpec) -> tuple[Cell, _Child]:
-        """Register a record and a cell for `spec` (`ActorDead`, `ChildExists`)."""
+    def _new_child(self, spec: ChildSpec) -> _Child:
+        """Register a child (its record and cell) for `spec` (`ActorDead`, `ChildExists`)."""
         rt = self._actor_runtime
         if rt is None:
             raise self._not_running()
@@ -222,10 +222,10 @@ class Supervisor(Actor):
         path = "/" + child_id if path == "/" else path + "/" + child_id
         if child_id in children:
             raise ChildExists(path)
-        cell = Cell(path, parent.registry)
-        child = children[child_id] = _Child(spec, cell)
-        parent.registry[path] = cell  # `cell.register()`, inlined
-        return cell, child
+        registry = parent.registry
+        child = children[child_id] = _Child(path, registry, spec)
+        registry[path] = child  # `cell.register()`, inlined
+        return child
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
@@ -252,7 +252,7 @@ class Supervisor(Actor):
 
     def which_children(self) -> list[tuple[str, ActorRef]]:
         """Return ``(id, ref)`` for every child, in start order."""
-        return [(cid, child.cell.ref()) for cid, child in self._children.items()]
+        return [(cid, child.ref()) for cid, child in self._children.items()]
 
     async def receive(self, message: Any) -> Any:
         """Supervisors handle no messages of their own; asks get `None`."""
@@ -265,10 +265,9 @@ class Supervisor(Actor):
         await self.on_start()
         try:
             for spec in self.static_children:
-                cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-                child = _Child(spec, cell)
+                child = _Child(_child_path(rt.path, spec.id), rt.cell.registry, spec)
                 self._children[spec.id] = child
-                cell.register()
+                child.register()
                 await self._start_incarnation(child)
         except Exception:
             # A static child failed to start: stop the rest in reverse order,
@@ -315,17 +314,16 @@ class Supervisor(Actor):
         child_id = child.spec.id
         if children.get(child_id) is child:
             del children[child_id]
-        cell = child.cell
-        cell.retired = True  # `cell.retire()`, inlined (one per lease)
-        registry = cell.registry
-        if registry.get(cell.path) is cell:
-            del registry[cell.path]
+        child.retired = True  # `child.retire()`, inlined (one per lease)
+        registry = child.registry
+        if registry.get(child.path) is child:
+            del registry[child.path]
         runtime = child.runtime
         if runtime is not None and runtime.done:
             runtime.release()
 
     def _incarnate(self, child: _Child) -> Runtime:
-        """Make the child's next incarnation (not started) and install it in its cell.
+        """Make the child's next incarnation (not started) and install it at its path.
 
         Raises:
             StartFailed: the factory raised or returned a non-Actor, or the
@@ -343,16 +341,15 @@ class Supervisor(Actor):
                 raise TypeError(
                     f"ChildSpec {child.spec.id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = Runtime(actor, child.cell, rt.system, child, self)
+            runtime = Runtime(actor, child, rt.system, child, self)
         except Exception as exc:
-            raise StartFailed(child.cell.path) from exc
+            raise StartFailed(child.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
         child.runtime = runtime
-        cell = child.cell
-        cell.current = runtime  # `cell.install(runtime)`, inlined
-        ref = cell.cached_ref
+        child.current = runtime  # `child.install(runtime)`, inlined
+        ref = child.cached_ref
         if ref is not None and type(ref) is not actor._actor_ref_type:
-            cell.cached_ref = None
+            child.cached_ref = None
         return runtime
 
     async def _start_incarnation(self, child: _Child) -> ActorRef:
@@ -361,7 +358,7 @@ class Supervisor(Actor):
             await start_inline(runtime)
         else:
             runtime.mark_started()
-        return child.cell.ref()
+        return child.ref()
 
     def _child_exited(self, child: _Child, runtime: Runtime, reason: BaseException | None) -> None:
         rt = self._actor_runtime
@@ -418,12 +415,12 @@ class Supervisor(Actor):
             return  # stale: stopped on purpose, or already replaced
         reason = event.reason
         if isinstance(reason, ActorKilled):
-            log.info("actor %s was killed (%s); restarting it", child.cell.path,
+            log.info("actor %s was killed (%s); restarting it", child.path,
                      reason.detail or "fault injection")
         elif reason is not None:
             # Every crash is seen at the default level: a restart loop must
             # never be silent.
-            log.warning("actor %s crashed: %s: %s; %s", child.cell.path, type(reason).__name__,
+            log.warning("actor %s crashed: %s: %s; %s", child.path, type(reason).__name__,
                         reason, "restarting it" if _should_restart(child.spec.restart, reason)
                         else "not restarted (its restart type)", exc_info=reason)
         if not _should_restart(child.spec.restart, reason):
@@ -460,7 +457,7 @@ class Supervisor(Actor):
                 for child in group:
                     if child.removed or (child.runtime is not None and not child.runtime.done):
                         continue
-                    child.cell.restarts += 1
+                    child.restarts += 1
                     failed = child
                     try:
                         await self._start_incarnation(child)

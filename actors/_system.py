@@ -52,9 +52,9 @@ def _tree(sup: Supervisor, cell: Cell) -> ActorTree:
         rt = child.runtime
         actor = rt.actor if rt is not None and not rt.done else None
         if isinstance(actor, Supervisor):
-            children.append(_tree(actor, child.cell))
+            children.append(_tree(actor, child))
         else:
-            children.append(ActorTree(child.cell.statistics()))
+            children.append(ActorTree(child.statistics()))
     return ActorTree(cell.statistics(), tuple(children))
 
 
