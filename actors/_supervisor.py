@@ -315,6 +315,7 @@ class Supervisor(Actor):
         if children.get(child_id) is child:
             del children[child_id]
         child.retired = True  # `child.retire()`, inlined (one per lease)
+        child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
         if registry.get(child.path) is child:
             del registry[child.path]

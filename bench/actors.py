@@ -26,7 +26,9 @@ as ``python -m bench.calls`` counts them) for a sequential inline ask, a tell
 (the producer's call and the dispatcher's handling of the message, mailbox
 backpressure included) and a dynamic child start+stop, over `COUNT_OPS`
 operations after a warm-up. `count_calls_per_op()` is what
-tests/actors/test_costs.py holds to a budget.
+tests/actors/test_costs.py holds to a budget. Beside them, the CPU time
+(`time.process_time`) per operation, best of three rounds: on a loaded
+machine it moves far less than wall time.
 
 Numbers are wall time on this machine, best of a few rounds; they are for
 comparing runtime changes, not a target by themselves (DESIGN.md: targets are
@@ -240,6 +242,21 @@ async def _count(n: int, op: Callable[[int], Awaitable[object]],
     return python / n, c / n
 
 
+async def _cpu(n: int, op: Callable[[int], Awaitable[object]],
+               after: Callable[[], Awaitable[object]] | None = None) -> tuple[float, float]:
+    """Run ``op(0) .. op(n - 1)`` (then `after`): (CPU µs of this process per op, 0.0).
+
+    CPU time, not wall time: on a shared machine the other processes' load
+    stretches wall time by several times, much less the CPU an op takes.
+    """
+    t0 = time.process_time()
+    for i in range(n):
+        await op(i)
+    if after is not None:
+        await after()
+    return (time.process_time() - t0) * 1e6 / n, 0.0
+
+
 async def count_calls_per_op(n: int = COUNT_OPS) -> dict[str, tuple[float, float]]:
     """Calls per operation, ``{op: (python, c)}``, in a fresh system on the running backend.
 
@@ -251,13 +268,23 @@ async def count_calls_per_op(n: int = COUNT_OPS) -> dict[str, tuple[float, float
     Each is warmed up first (256 operations), so caches and the facts the
     runtime learns about a class on its first calls are in place.
     """
+    return await _per_op(n, _count)
+
+
+async def cpu_per_op(n: int = 5 * COUNT_OPS) -> dict[str, float]:
+    """CPU µs per operation (the operations of `count_calls_per_op`), no profiler on."""
+    return {op: us for op, (us, _) in (await _per_op(n, _cpu)).items()}
+
+
+async def _per_op(n: int, measure: Callable[..., Awaitable[tuple[float, float]]]
+                  ) -> dict[str, tuple[float, float]]:
     warm = 256
     results: dict[str, tuple[float, float]] = {}
     async with ActorSystem() as system:
         ask = (await system.spawn(ChildSpec("echo", Echo))).ask
         for i in range(warm):
             await ask(i)
-        results["ask"] = await _count(n, ask)
+        results["ask"] = await measure(n, ask)
 
         sink = Sink()
         tell = (await system.spawn(ChildSpec("sink", lambda: sink))).tell
@@ -266,7 +293,7 @@ async def count_calls_per_op(n: int = COUNT_OPS) -> dict[str, tuple[float, float
             await tell(i)
         await sink.reached.wait()
         sink.count, sink.target, sink.reached = 0, n, anyio.Event()
-        results["tell"] = await _count(n, tell, sink.reached.wait)
+        results["tell"] = await measure(n, tell, sink.reached.wait)
 
         runs = await system.root.start_child(ChildSpec("runs", Supervisor))
         sup = system.supervisor(runs.path)
@@ -280,7 +307,7 @@ async def count_calls_per_op(n: int = COUNT_OPS) -> dict[str, tuple[float, float
         for i in range(warm):
             await spawn_stop(i)
         del specs[:warm]
-        results["spawn+stop"] = await _count(n, spawn_stop)
+        results["spawn+stop"] = await measure(n, spawn_stop)
     return results
 
 
@@ -326,9 +353,13 @@ def main() -> None:
             extra = f"  ({1e6 / rate:6.1f} us each)" if "timer" not in name else ""
             print(f"  {name:34s} {rate:12,.0f}{extra}")
         counts = anyio.run(count_calls_per_op, backend=backend)
-        print(f"  calls per op (cProfile: Python + C = total, over {COUNT_OPS:,}):")
+        cpu = [anyio.run(cpu_per_op, backend=backend) for _ in range(1 if args.calls_only else 3)]
+        print(f"  calls per op (cProfile: Python + C = total, over {COUNT_OPS:,}),"
+              " and CPU µs per op (best of the rounds, no profiler):")
         for name, (python, c) in counts.items():
-            print(f"    {name:12s} {python:7.1f} + {c:7.1f} = {python + c:7.1f}")
+            best = min(r[name] for r in cpu)
+            print(f"    {name:12s} {python:7.1f} + {c:7.1f} = {python + c:7.1f} calls"
+                  f"   {best:6.2f} us CPU")
 
 
 if __name__ == "__main__":
