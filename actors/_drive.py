@@ -12,7 +12,7 @@ scope costs more than a whole inline ask (~3 µs on asyncio), so:
    nothing else runs meanwhile, so nothing can kill them, and no scope is
    needed.
 2. If it suspends, a cancel scope is entered *then*, around the rest of the
-   handler, which `_Resume` steps exactly as ``await`` would. That is sound
+   handler, which `resume` steps exactly as ``await`` would. That is sound
    only if the handler did not itself suspend inside a cancel scope it opened
    during that first step (its scope would have to close inside ours):
    `cancel_scope_token()` before and after tells.
@@ -42,6 +42,7 @@ returned). Whatever else the handler raises propagates unchanged.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Coroutine, Generator
 from typing import Any
 
@@ -50,7 +51,7 @@ import anyio
 from ._types import Dispatcher, Driven
 from ._waiter import cancel_scope_token
 
-__all__ = ["Killed", "drive"]
+__all__ = ["Killed", "drive", "rest", "resume"]
 
 
 class Killed(BaseException):
@@ -64,43 +65,53 @@ class Killed(BaseException):
 _NOTHING: Any = object()
 
 
-class _Resume:
+@types.coroutine
+def resume(coro: Coroutine[Any, Any, Any], first: Any, rt: Driven | None) -> Generator[Any, Any, Any]:
     """Await the rest of a coroutine whose first step was taken by hand.
 
     `first` is what that step yielded (a future, a trio trap), handed up to
     the event loop as if the coroutine had been awaited all along. With `rt`
     set, a kill of `rt` is thrown into the coroutine at its next resumption
-    (the deferred kill of step 3 in the module docstring).
+    (the deferred kill of step 3 in the module docstring). A generator, not
+    an object with `__await__`: one frame and no constructor per handler.
     """
-
-    __slots__ = ("coro", "first", "rt")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any, rt: Driven | None) -> None:
-        self.coro = coro
-        self.first = first
-        self.rt = rt
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, yielded, rt = self.coro, self.first, self.rt
-        self.coro = self.first = self.rt = None  # type: ignore[assignment]
-        send = coro.send
-        throw = coro.throw
-        try:
-            while True:
-                try:
-                    received = yield yielded
-                except GeneratorExit:
-                    coro.close()
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - handed to the handler
-                    yielded = throw(exc)
+    yielded = first
+    send = coro.send
+    throw = coro.throw
+    try:
+        while True:
+            try:
+                received = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the handler
+                yielded = throw(exc)
+            else:
+                if rt is not None and rt.cancelled:
+                    yielded = throw(Killed())
                 else:
-                    if rt is not None and rt.cancelled:
-                        yielded = throw(Killed())
-                    else:
-                        yielded = send(received)
-        except StopIteration as stop:
-            return stop.value
+                    yielded = send(received)
+    except StopIteration as stop:
+        return stop.value
+
+
+async def rest(rt: Driven, coro: Coroutine[Any, Any, Any], yielded: Any, base: object,
+               sched: Dispatcher | None) -> Any:
+    """The rest of a message handler whose first step (taken by the caller) suspended.
+
+    What `drive()` does after its own first step, for callers that take that
+    step themselves (an inline ask, a dispatcher's turn) so that a handler
+    that never waits costs them no call at all. `base` is unused for a
+    `deferred_kill` class.
+
+    Raises:
+        Killed: `rt` was cancelled while the handler ran.
+        BaseException: whatever the handler raised.
+    """
+    if rt.deferred:
+        return await _drive_deferred(rt, coro, yielded, sched)
+    return await _drive_rest(rt, coro, yielded, base, sched, False, math.inf)
 
 
 async def drive(
@@ -157,7 +168,7 @@ async def _drive_deferred(
     if sched is not None:
         sched.blocked()
     try:
-        value = await _Resume(coro, yielded, rt)
+        value = await resume(coro, yielded, rt)
     finally:
         if sched is not None:
             sched.unblocked()
@@ -185,13 +196,13 @@ async def _drive_rest(
                 if rt.cancelled:
                     scope.cancel()
                 try:
-                    value = await _Resume(coro, yielded, None)
+                    value = await resume(coro, yielded, None)
                 finally:
                     rt.scope = None
         else:
             rt.scoped = True
             type(rt.actor)._actor_scoped = True
-            value = await _Resume(coro, yielded, rt)
+            value = await resume(coro, yielded, rt)
     finally:
         if sched is not None:
             sched.unblocked()

@@ -171,10 +171,17 @@ class Mailbox(Generic[T]):
         caller that waits right after anyway (an ask blocks on its reply) or
         that is never the receiver itself (a transport's writer queue).
         """
-        try:
-            self.send_nowait(item)
-        except anyio.WouldBlock:
-            await self.send(item)
+        if self._closed:
+            raise anyio.ClosedResourceError
+        items = self._items
+        if len(items) >= self.size:
+            await self.send(item)  # waits for room
+            return
+        items.append(item)  # `send_nowait()`, inlined: a writer queue's every frame
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            receiver.set()
 
     def receive_nowait(self) -> T:
         items = self._items
@@ -188,14 +195,18 @@ class Mailbox(Generic[T]):
         raise anyio.WouldBlock
 
     async def receive(self) -> T:
+        items = self._items
         while True:
+            if items:  # `receive_nowait()`, inlined: one call per item received
+                item = items.popleft()
+                if self._senders:
+                    self._senders.popleft().set()
+                return item
+            if self._closed:
+                raise anyio.EndOfStream
+            waiter = self._receiver = Waiter()
             try:
-                return self.receive_nowait()
-            except anyio.WouldBlock:
-                waiter = self._receiver = Waiter()
-                try:
-                    await waiter.wait()
-                finally:
-                    if self._receiver is waiter:
-                        self._receiver = None
-
+                await waiter.wait()
+            finally:
+                if self._receiver is waiter:
+                    self._receiver = None

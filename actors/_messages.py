@@ -55,6 +55,9 @@ _VERDICTS: dict[type, bool] = {
     )
 }
 _VERDICTS.update({t: False for t in (list, dict, set, bytearray, memoryview)})
+#: The types judged immutable so far: what the hot paths test (``type(m) in
+#: _IMMUTABLE`` is no call at all; `check_message` handles the rest).
+_IMMUTABLE: set[type] = {t for t, ok in _VERDICTS.items() if ok}
 
 
 def _judge(t: type) -> bool:
@@ -74,6 +77,8 @@ def is_immutable_type(t: type) -> bool:
     verdict = _VERDICTS.get(t)
     if verdict is None:
         verdict = _VERDICTS[t] = _judge(t)
+        if verdict:
+            _IMMUTABLE.add(t)
     return verdict
 
 
@@ -93,6 +98,7 @@ def register_immutable(t: type) -> type:
     if not isinstance(t, type):
         raise TypeError(f"register_immutable() takes a class, got {t!r}")
     _VERDICTS[t] = True
+    _IMMUTABLE.add(t)
     return t
 
 
@@ -103,9 +109,5 @@ def check_message(message: object) -> None:
         MutableMessageError: the message's type is mutable (a dict, a list, a
             non-frozen dataclass, an ordinary class instance, ...).
     """
-    t = type(message)
-    verdict = _VERDICTS.get(t)
-    if verdict is None:
-        verdict = _VERDICTS[t] = _judge(t)
-    if not verdict:
-        raise MutableMessageError(t)
+    if not is_immutable_type(type(message)):
+        raise MutableMessageError(type(message))

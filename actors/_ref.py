@@ -16,18 +16,20 @@ with `ActorDead`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sized
+from collections.abc import Coroutine, Sized
 from typing import Any, ClassVar, Protocol, Self
 
 import anyio
 import anyio.lowlevel
 
+from ._drive import Killed, rest, resume
 from ._errors import ActorDead
 from ._mailbox import Ask
-from ._messages import _VERDICTS, check_message
+from ._messages import _IMMUTABLE, check_message
 from ._spec import ChildSpec, Strategy
 from ._stats import ActorStatistics
-from ._types import SchedulerLike
+from ._types import SchedulerLike, ScopedActor
+from ._waiter import cancel_scope_token
 
 __all__ = [
     "CHECKPOINT_EVERY",
@@ -47,11 +49,13 @@ _checkpoint = anyio.lowlevel.checkpoint
 _calls = 0
 
 
-class _RefActor(Protocol):
-    """The class-level facts a ref reads off an incarnation's actor."""
+class _RefActor(ScopedActor, Protocol):
+    """What a ref reads off an incarnation's actor, and the handler it runs inline."""
 
     _actor_ref_type: ClassVar[type[ActorRef]]
     _actor_is_supervisor: ClassVar[bool]
+
+    def receive(self, message: Any) -> Coroutine[Any, Any, Any]: ...
 
 
 class Incarnation(Protocol):
@@ -75,8 +79,6 @@ class Incarnation(Protocol):
     @property
     def accepting(self) -> bool: ...
     @property
-    def busy(self) -> bool: ...
-    @property
     def scheduled(self) -> bool: ...
     @property
     def inline(self) -> bool: ...
@@ -92,11 +94,24 @@ class Incarnation(Protocol):
     def started_at(self) -> int | None: ...
     @property
     def sync(self) -> bool: ...
+    @property
+    def stop_requested(self) -> bool: ...
+    @property
+    def cancelled(self) -> bool: ...
+
+    # Writable: a ref that runs a handler inline holds the incarnation busy.
+    busy: bool
+    scoped: bool
+    deferred: bool
+    scope: anyio.CancelScope | None
 
     async def put(self, item: object) -> None: ...
     def tell_inline(self, message: object) -> None: ...
-    def handle_now(self, message: object) -> Any: ...
     async def ask_inline(self, message: object) -> Any: ...
+    def release_owner(self) -> None: ...
+    def inline_error(self, exc: BaseException) -> BaseException: ...
+    def now_error(self, exc: BaseException) -> BaseException: ...
+    def now_waited(self, coro: Coroutine[Any, Any, Any]) -> ActorDead: ...
     def cancel(self, reason: BaseException | None) -> None: ...
     async def wait_done(self) -> None: ...
 
@@ -117,7 +132,7 @@ class SupervisorLike(Protocol):
 class Cell:
     """The registry entry for one path: the current incarnation and its history."""
 
-    __slots__ = ("_ref", "current", "kind", "path", "registry", "restarts", "retired")
+    __slots__ = ("cached_ref", "current", "kind", "path", "registry", "restarts", "retired")
 
     def __init__(self, path: str, registry: dict[str, Cell]) -> None:
         self.path = path
@@ -126,7 +141,9 @@ class Cell:
         self.kind = "?"
         self.restarts = 0
         self.retired = False
-        self._ref: ActorRef | None = None
+        #: The ref `ref()` hands out, of the ref type of the actor here (reset by
+        #: `install()` when an incarnation of another ref type arrives).
+        self.cached_ref: ActorRef | None = None
 
     def ref(self) -> ActorRef:
         """Return a ref of the current actor's ref type (`SupervisorRef` for supervisors).
@@ -135,14 +152,21 @@ class Cell:
         so the cell hands out one ref per ref type instead of building one per
         lookup: the daemon resolves a path several times per step.
         """
+        ref = self.cached_ref
+        if ref is not None:
+            return ref
         rt = self.current
         if rt is None:
             return ActorRef(self)
-        ref = self._ref
-        ref_type = rt.actor._actor_ref_type
-        if ref is None or type(ref) is not ref_type:
-            ref = self._ref = ref_type(self)
+        ref = self.cached_ref = rt.actor._actor_ref_type(self)
         return ref
+
+    def install(self, rt: Incarnation) -> None:
+        """Make `rt` the current incarnation at this path."""
+        self.current = rt
+        ref = self.cached_ref
+        if ref is not None and type(ref) is not rt.actor._actor_ref_type:
+            self.cached_ref = None
 
     def register(self) -> None:
         self.registry[self.path] = self
@@ -226,17 +250,22 @@ class ActorRef:
         if _calls >= CHECKPOINT_EVERY:
             _calls = 0
             await _checkpoint()
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
-        rt = self._runtime()
+        cell = self._cell  # `_runtime()` inlined: its checks, without the call
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting:
+            rt = self._runtime()
         queue = rt.queue
-        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
-            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
-            return
         if len(queue) < rt.size:
+            if rt.busy or rt.scheduled:
+                queue.append(message)  # whoever runs it will see it: no wake-up
+                return
+            if rt.sync and rt.inline and not queue and not rt.sysq:
+                rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+                return
             queue.append(message)
-            if not rt.busy and not rt.scheduled:
-                rt.sched.schedule(rt)
+            rt.sched.schedule(rt)
             return
         await rt.put(message)
 
@@ -248,18 +277,23 @@ class ActorRef:
             MutableMessageError: `message` is not of an immutable type.
             ActorDead: no incarnation accepts messages at this path.
         """
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
-        rt = self._runtime()
+        cell = self._cell
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting:
+            rt = self._runtime()
         queue = rt.queue
-        if rt.sync and rt.inline and not rt.busy and not queue and not rt.sysq:
-            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
-            return
         if len(queue) >= rt.size:
             raise anyio.WouldBlock
+        if rt.busy or rt.scheduled:
+            queue.append(message)
+            return
+        if rt.sync and rt.inline and not queue and not rt.sysq:
+            rt.tell_inline(message)  # `Actor.sync_handlers`: handled right here
+            return
         queue.append(message)
-        if not rt.busy and not rt.scheduled:
-            rt.sched.schedule(rt)
+        rt.sched.schedule(rt)
 
     def ask_now(self, message: object) -> Any:
         """Have the actor handle `message` right here, if it is idle; return its reply.
@@ -278,12 +312,26 @@ class ActorRef:
             MutableMessageError: `message` is not of an immutable type.
             Exception: the handler's exception if listed in `reply_errors`.
         """
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
-        rt = self._runtime()
-        if rt.inline and not rt.busy and not rt.queue and not rt.sysq:
-            return rt.handle_now(message)
-        raise anyio.WouldBlock
+        cell = self._cell
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting:
+            rt = self._runtime()
+        if not rt.inline or rt.busy or rt.queue or rt.sysq:
+            raise anyio.WouldBlock
+        rt.busy = True  # the handler, run right here to its end
+        coro = rt.actor.receive(message)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            rt.busy = False
+            if rt.stop_requested or rt.queue or rt.sysq:
+                rt.release_owner()  # work for a dispatcher, or a stop to finish
+            return stop.value
+        except BaseException as exc:  # noqa: BLE001 - sorted out by now_error, re-raised
+            raise rt.now_error(exc)  # ActorDead sets its own cause
+        raise rt.now_waited(coro)
 
     async def ask(self, message: object, *, timeout: float | None = None) -> Any:
         """Send `message` and wait for the actor's reply (what `receive` returned).
@@ -319,19 +367,49 @@ class ActorRef:
         if _calls >= CHECKPOINT_EVERY:
             _calls = 0
             await _checkpoint()
-        if _VERDICTS.get(type(message)) is not True:
+        if type(message) not in _IMMUTABLE:
             check_message(message)
-        rt = self._runtime()
-        if timeout is None:
-            if rt.inline and not rt.busy and not rt.queue and not rt.sysq:
-                return await rt.ask_inline(message)
+        cell = self._cell
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting:
+            rt = self._runtime()
+        if timeout is not None:
+            request = Ask(message)
+            with anyio.fail_after(timeout):
+                await self._send_ask(rt, request)
+                return await request.wait()
+        if not rt.inline or rt.busy or rt.queue or rt.sysq:
             request = Ask(message)
             await self._send_ask(rt, request)
             return await request.wait()
-        request = Ask(message)
-        with anyio.fail_after(timeout):
-            await self._send_ask(rt, request)
-            return await request.wait()
+        if rt.scoped:
+            return await rt.ask_inline(message)  # its handlers need a scope up front
+        # An inline ask: the handler's first step right here, so that one that
+        # does not wait costs this call alone (see `_drive.py` for the rest).
+        deferred = rt.deferred
+        base = None if deferred else cancel_scope_token()
+        rt.busy = True
+        coro = rt.actor.receive(message)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            value = stop.value
+        except BaseException as exc:  # noqa: BLE001 - sorted out by inline_error, re-raised
+            raise rt.inline_error(exc)  # ActorDead sets its own cause
+        else:
+            try:
+                if deferred:
+                    value = await resume(coro, yielded, rt)
+                    if rt.cancelled:
+                        raise Killed
+                else:
+                    value = await rest(rt, coro, yielded, base, None)
+            except BaseException as exc:  # noqa: BLE001 - as above
+                raise rt.inline_error(exc)
+        rt.busy = False
+        if rt.stop_requested or rt.queue or rt.sysq:
+            rt.release_owner()  # work for a dispatcher, or a stop to finish
+        return value
 
     async def _send_ask(self, rt: Incarnation, request: Ask) -> None:
         # No checkpoint when there is room: the caller blocks on the reply
@@ -373,7 +451,11 @@ class SupervisorRef(ActorRef):
     __slots__ = ()
 
     def _supervisor(self) -> SupervisorLike:
-        actor = self._runtime().actor
+        cell = self._cell
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting:
+            rt = self._runtime()
+        actor = rt.actor
         if not actor._actor_is_supervisor:  # True on `Supervisor` alone (_supervisor.py)
             raise TypeError(
                 f"the actor at {self.path} is a {type(actor).__name__}, not a Supervisor"
@@ -389,7 +471,11 @@ class SupervisorRef(ActorRef):
             ActorDead: the supervisor is not running.
             TypeError: the actor at this path is not a supervisor.
         """
-        return await self._supervisor().start_child(spec)
+        cell = self._cell  # `_supervisor()`, inlined
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting or not rt.actor._actor_is_supervisor:
+            return await self._supervisor().start_child(spec)  # raises
+        return await rt.actor.start_child(spec)  # type: ignore[attr-defined,no-any-return]
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a dynamic child without waiting for its `on_start` (see
@@ -401,7 +487,11 @@ class SupervisorRef(ActorRef):
             ActorDead: the supervisor is not running.
             TypeError: the actor at this path is not a supervisor.
         """
-        return self._supervisor().start_child_nowait(spec)
+        cell = self._cell  # `_supervisor()`, inlined: a lease actor starts on every step
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting or not rt.actor._actor_is_supervisor:
+            return self._supervisor().start_child_nowait(spec)  # raises
+        return rt.actor.start_child_nowait(spec)  # type: ignore[attr-defined,no-any-return]
 
     async def stop_child(self, child_id: str) -> None:
         """Stop and remove a child (see `Supervisor.stop_child`).
@@ -411,7 +501,12 @@ class SupervisorRef(ActorRef):
             ActorDead: the supervisor is not running.
             TypeError: the actor at this path is not a supervisor.
         """
-        await self._supervisor().stop_child(child_id)
+        cell = self._cell  # `_supervisor()`, inlined
+        rt = cell.current
+        if rt is None or cell.retired or not rt.accepting or not rt.actor._actor_is_supervisor:
+            await self._supervisor().stop_child(child_id)  # raises
+            return
+        await rt.actor.stop_child(child_id)  # type: ignore[attr-defined]
 
     def which_children(self) -> list[tuple[str, ActorRef]]:
         """Return ``(id, ref)`` for every child, in start order.

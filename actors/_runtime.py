@@ -6,20 +6,22 @@ exits), a state, and flags. It owns no task. Whoever runs one of its handlers
 holds it `busy` (one handler at a time):
 
 * a dispatcher of the system's `Scheduler`, for a turn (`turn()`);
-* the caller's own task for an *inline ask* (`ask_inline()`: the actor was
-  idle with nothing queued, so the asker runs the handler itself, with no task
-  switch at all), for the `start_child` handshake (`start_inline()`), and for
-  a graceful stop by its supervisor (`stop_gracefully()`).
+* the caller's own task for an *inline ask* (the actor was idle with nothing
+  queued, so the asker runs the handler itself, with no task switch at all:
+  `ActorRef.ask` / `ask_now` take the handler's first step themselves, this
+  class sorts out what follows), for the `start_child` handshake and for a
+  graceful stop by its supervisor (`_lifecycle.py`: starting and stopping an
+  incarnation, what its supervisor and the system call).
 
 When an owner is done and work is pending, the incarnation goes on the ready
-queue (`_release_owner()`): work that arrives during an inline ask is served
+queue (`release_owner()`): work that arrives during an inline ask is served
 by a dispatcher, never by the asker.
 
 How it ends (every path closes it first, synchronously: no more sends, the
 in-flight and queued asks fail with `ActorDead`, timers die):
 
-* normally or by a crash (`_stop_sequence`): then `on_stop` (if overridden),
-  shielded and bounded by the stopper's shutdown limit;
+* normally or by a crash (`_lifecycle.stop_sequence`): then `on_stop` (if
+  overridden), shielded and bounded by the stopper's shutdown limit;
 * brutally (`cancel()`: a kill, a brutal shutdown, the system cancelled): the
   handler in flight is cancelled where it stands (its cancel scope, see
   `_drive.py`), no `on_stop`; a supervisor cancels its whole subtree, and
@@ -31,22 +33,21 @@ the supervisor asked for it (`expected_exit`).
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from typing import Any, Protocol
 
 import anyio
 
 from ._actor import Actor, SystemView
 from ._drive import Killed, drive
-from ._errors import ActorDead, ActorKilled, StartFailed
+from ._errors import ActorDead, ActorKilled
 from ._mailbox import Ask
 from ._ref import Cell
 from ._spec import ChildSpec
 from ._timers import TimerEntry
 from ._types import SchedulerLike
-from ._waiter import Waiter, cancel_scope_token, current_time
+from ._waiter import Waiter, cancel_scope_token
 
 __all__ = ["ExitWatcher", "Runtime", "RuntimeSystem"]
 
@@ -65,6 +66,10 @@ class RuntimeSystem(SystemView, Protocol):
 
     @property
     def _sched(self) -> SchedulerLike[Runtime]: ...
+    @property
+    def _wall_stamp(self) -> Callable[[], int]: ...
+    @property
+    def _wall_per_ms(self) -> int: ...
 
 
 class ExitWatcher(Protocol):
@@ -75,20 +80,35 @@ class ExitWatcher(Protocol):
     ) -> None: ...
 
 
-class _Child:
-    """A supervisor's record of one child: its spec, cell and current incarnation.
+class _Child(Cell):
+    """A supervisor's child: its cell (the registry entry at its path) and its record.
 
+    One object, not a cell and a record beside it: a lease actor is started
+    per step. The record adds the spec, the current incarnation (also kept
+    after it ended, unlike `current`) and whether the supervisor removed it.
     Here, not in `_supervisor`, because an incarnation reports its exit with it.
     """
 
-    __slots__ = ("cell", "last_reason", "removed", "runtime", "spec")
+    __slots__ = ("last_reason", "removed", "runtime", "spec")
 
-    def __init__(self, spec: ChildSpec, cell: Cell) -> None:
+    def __init__(self, path: str, registry: dict[str, Cell], spec: ChildSpec) -> None:
+        # `Cell.__init__`'s fields, set here: one call per child, not two.
+        self.path = path
+        self.registry = registry
+        self.current = None
+        self.kind = "?"
+        self.restarts = 0
+        self.retired = False
+        self.cached_ref = None
         self.spec = spec
-        self.cell = cell
         self.runtime: Runtime | None = None
         self.removed = False
         self.last_reason: BaseException | None = None  # handed to the next incarnation
+
+    @property
+    def cell(self) -> Cell:
+        """The child's registry entry: the child itself."""
+        return self
 
 
 class Runtime:
@@ -99,8 +119,8 @@ class Runtime:
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
         "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "deferred", "done",
-        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "start_hook",
-        "started", "state", "stop_hook", "sup", "sync", "sysq", "system", "timers",
+        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "stamp",
+        "start_hook", "started", "state", "stop_hook", "sup", "sync", "sysq", "system", "timers",
     )  # fmt: skip
 
     senders: deque[Waiter] | None = None  # sends waiting for room
@@ -112,7 +132,6 @@ class Runtime:
     cancel_reason: BaseException | None = None
     scope: anyio.CancelScope | None = None  # the waiting handler's scope
     current: Ask | None = None  # the ask whose handler runs now (dispatcher path)
-    started_at: int | None = None
     expected_exit = False  # its supervisor stops it: no exit report
     holders = 0  # children a cancelled supervisor waits for
     blocker: Runtime | None = None  # the cancelled supervisor waiting for us
@@ -162,11 +181,18 @@ class Runtime:
         self.closed = False
         self.done = False
         self.reason: BaseException | None = None
+        self.stamp: int | None = None  # `system._wall_stamp()` when started
         cell.kind = cls.kind or cls.__name__
 
     @property
     def path(self) -> str:
         return self.cell.path
+
+    @property
+    def started_at(self) -> int | None:
+        """Wall-clock epoch ms when this incarnation finished `on_start` (None: not yet)."""
+        stamp = self.stamp
+        return None if stamp is None else stamp // self.system._wall_per_ms
 
     # -- sending -------------------------------------------------------------
 
@@ -235,7 +261,8 @@ class Runtime:
         self.inline = False
         if self.state == RUNNING:
             self.state = STOPPING
-        self.notify()
+        if not self.busy and not self.scheduled:  # `notify()`, inlined: once per lease
+            self.sched.schedule(self)
 
     def cancel(self, reason: BaseException | None) -> None:
         """End the incarnation where it stands (kill, brutal shutdown): no `on_stop`.
@@ -267,12 +294,12 @@ class Runtime:
             self._done_event = anyio.Event()
         await self._done_event.wait()
 
-    # -- starting ---------------------------------------------------------------
+    # -- starting (the rest: `_lifecycle.py`) -----------------------------------
 
     def mark_started(self) -> None:
         """`on_start` has returned (or there is none): the incarnation runs."""
         self.started = True
-        self.started_at = self.system.clock.time_ms()
+        self.stamp = self.system._wall_stamp()
         if self.state == STARTING:
             if self.stop_requested:
                 self.state = STOPPING
@@ -280,71 +307,13 @@ class Runtime:
                 self.state = RUNNING
                 self.inline = self.accepting
 
-    async def start_inline(self) -> None:
-        """Run the start hook in the caller's task: the `start_child` handshake.
-
-        Raises:
-            StartFailed: the hook raised (``__cause__``), or the incarnation
-                was killed or stopped before it returned. Nothing is left.
-            BaseException: the caller's own cancellation, after ending the
-                incarnation.
-        """
-        self.busy = True
-        try:
-            await drive(self, self.actor._actor_start(), None, None, scoped=True)
-        except BaseException as exc:
-            reason: BaseException | None
-            if self.cancelled:
-                reason = self.cancel_reason
-            elif isinstance(exc, Exception):
-                reason = exc
-            else:
-                reason = None  # the caller was cancelled: no half-started actor stays
-            self.expected_exit = True  # the caller hears of it; the supervisor does not
-            self._close(reason)
-            self._finish(reason)
-            if isinstance(exc, Exception | Killed):
-                raise StartFailed(self.cell.path) from reason
-            raise  # the caller's cancellation (or KeyboardInterrupt): as it is
-        self.mark_started()
-        self._release_owner()
-
-    def start_soon(self) -> None:
-        """Have a dispatcher run the start hook (`start_child_nowait`)."""
-        self.start_pending = True
-        self.notify()
-
-    def start_now(self) -> None:
-        """Run a start hook that never waits (`Actor.sync_start`) in the caller's call.
-
-        What `start_soon` has a dispatcher do, minus the queue and the turn. A
-        failure is the child's crash (`StartFailed`, its cause the exception),
-        as there; a hook that waits anyway is one too.
-        """
-        self.busy = True
-        coro = self.actor._actor_start()
-        try:
-            coro.send(None)
-        except StopIteration:
-            self.mark_started()
-            self._release_owner()
-            return
-        except Exception as exc:  # noqa: BLE001 - nobody awaits this start: a crash
-            cause: BaseException = exc
-        except BaseException:
-            self._end(None)
-            raise
-        else:
-            coro.close()
-            cause = RuntimeError(f"{self.cell.path}: the on_start of a sync_start actor waited")
-        failed = StartFailed(self.cell.path)
-        failed.__cause__ = cause
-        self._end(failed)
-
-    # -- inline asks ----------------------------------------------------------
+    # -- inline handlers: run in the caller's task ------------------------------
 
     async def ask_inline(self, message: object) -> Any:
-        """Run the handler for an ask in the caller's task (the actor was idle).
+        """Run the handler for an ask in the caller's task, in a scope entered first.
+
+        For an actor class learnt `_actor_scoped` (see `_drive.py`); every
+        other inline ask is run by `ActorRef.ask` itself.
 
         Raises:
             ActorDead: the handler crashed, or the incarnation was killed.
@@ -355,9 +324,9 @@ class Runtime:
         self.busy = True
         try:
             value = await drive(self, self.actor.receive(message), cancel_scope_token(), None)
-        except BaseException as exc:  # noqa: BLE001 - sorted out by _inline_error, re-raised
-            raise self._inline_error(exc)  # ActorDead sets its own cause
-        self._release_owner()
+        except BaseException as exc:  # noqa: BLE001 - sorted out by inline_error, re-raised
+            raise self.inline_error(exc)  # ActorDead sets its own cause
+        self.release_owner()
         return value
 
     def tell_inline(self, message: object) -> None:
@@ -375,69 +344,60 @@ class Runtime:
         try:
             coro.send(None)
         except StopIteration:
-            self._release_owner()
+            self.release_owner()
             return
         except Exception as exc:  # noqa: BLE001 - a tell's failure is the actor's crash
             self._crash_later(exc)
             return
         except BaseException:
-            self._release_owner()
+            self.release_owner()
             raise
         coro.close()
         self._crash_later(RuntimeError(
             f"{self.cell.path}: a handler of a sync_handlers actor waited"))
 
-    def handle_now(self, message: object) -> Any:
-        """`ActorRef.ask_now`: the handler run to its end in the caller's call (the actor is idle).
-
-        Raises:
-            ActorDead: the handler crashed, or waited (a crash too).
-            Exception: the handler's exception if listed in `reply_errors`.
-        """
-        self.busy = True
-        coro = self.actor.receive(message)
-        try:
-            coro.send(None)
-        except StopIteration as stop:
-            self._release_owner()
-            return stop.value
-        except Exception as exc:
+    def now_error(self, exc: BaseException) -> BaseException:
+        """`ActorRef.ask_now`'s handler raised `exc`: what to raise to its caller."""
+        if isinstance(exc, Exception):
             errors = self.actor.reply_errors
             if errors and isinstance(exc, errors):
-                self._release_owner()
-                raise
+                self.release_owner()
+                return exc
             self._crash_later(exc)
-            raise _dead(self.cell.path, exc) from None  # ActorDead sets its own cause
-        except BaseException:
-            self._release_owner()
-            raise
+            return ActorDead(self.cell.path, exc)
+        self.release_owner()
+        return exc
+
+    def now_waited(self, coro: Coroutine[Any, Any, Any]) -> ActorDead:
+        """`ActorRef.ask_now`'s handler waited: a crash of the actor; what its caller gets."""
         coro.close()
         waited = RuntimeError(f"{self.cell.path}: a handler asked with ask_now waited")
         self._crash_later(waited)
-        raise _dead(self.cell.path, waited)
+        return ActorDead(self.cell.path, waited)
 
-    def _inline_error(self, exc: BaseException) -> BaseException:
+    def inline_error(self, exc: BaseException) -> BaseException:
+        """An inline ask's handler raised `exc` (or was killed): what to raise to the asker."""
         path = self.cell.path
         if self.cancelled:
             reason = self.cancel_reason
             self._end(reason)
             if not isinstance(exc, Killed) and _is_cancel(exc):
                 return exc  # the caller is cancelled too
-            return _dead(path, reason)
+            return ActorDead(path, reason)
         if isinstance(exc, Exception):
             errors = self.actor.reply_errors
             if errors and isinstance(exc, errors):
-                self._release_owner()
+                self.release_owner()
                 return exc
             self._crash_later(exc)
-            return _dead(path, exc)
+            return ActorDead(path, exc)
         # The asker was cancelled (or interrupted) half way through the handler:
         # let it crash; it restarts from scratch like after a kill.
         self._end(ActorKilled(path, "its handler was cancelled in the caller's task"))
         return exc
 
-    def _release_owner(self) -> None:
-        """The inline owner is done: hand pending work to a dispatcher."""
+    def release_owner(self) -> None:
+        """The inline owner is done: hand pending work to a dispatcher, or finish a stop."""
         self.busy = False
         if self.done:
             return
@@ -462,72 +422,7 @@ class Runtime:
         else:
             self._finish(reason)
 
-    # -- stopping -------------------------------------------------------------------
-
-    def stop_now(self) -> bool:
-        """Stop a removed child's idle incarnation without `on_stop` right away.
-
-        Returns False (and does nothing) if that takes a wait: it is busy, or
-        has an `on_stop` to run.
-        """
-        if self.done:
-            return True
-        if self.busy or (self.stop_hook and self.started):
-            return False
-        self._close(None)
-        self._finish(None)
-        return True
-
-    async def stop_gracefully(self, timeout: float) -> None:
-        """Stop it (a normal exit, expected by its supervisor) within `timeout` seconds.
-
-        An idle incarnation is stopped right here (its `on_stop` in this task,
-        bounded by `timeout`); a busy one after its handler in hand, and
-        cancelled if that takes longer than `timeout`.
-        """
-        if self.done:
-            return
-        self.expected_exit = True
-        self.stop_requested = True
-        self.accepting = False
-        self.inline = False
-        if self.state == RUNNING:
-            self.state = STOPPING
-        if not self.busy:
-            self.busy = True
-            self.start_pending = False
-            reason = self.hook_reason if self.hook_pending else None
-            await self._stop_sequence(reason, timeout, None, cancel_scope_token())
-            return
-        with anyio.move_on_after(timeout):
-            await self.wait_done()
-        if not self.done:
-            self.cancel(None)
-            await self.wait_done()
-
-    async def _stop_sequence(
-        self,
-        reason: BaseException | None,
-        timeout: float,
-        sched: SchedulerLike[Runtime] | None,
-        base: object,
-    ) -> None:
-        """Close, run `on_stop` (shielded, within `timeout`), finish. The owner holds `busy`."""
-        self._close(reason)
-        self.hook_pending = False
-        self.hook_reason = None
-        if self.started and self.stop_hook and not self.cancelled:
-            deadline = current_time() + timeout if timeout != math.inf else math.inf
-            try:
-                await drive(self, self.actor._actor_stop(reason), base, sched, shield=True,
-                            deadline=deadline, scoped=True)
-            except Killed:
-                if reason is None:
-                    reason = self.cancel_reason
-            except Exception as exc:  # noqa: BLE001 - a failing on_stop is an exit reason
-                if reason is None:
-                    reason = exc
-        self._finish(reason)
+    # -- ending -------------------------------------------------------------------
 
     def _end(self, reason: BaseException | None) -> None:
         """End brutally now: close and finish, no `on_stop`."""
@@ -587,27 +482,34 @@ class Runtime:
         self.child = self.sup = None
         if child is not None:
             if child.removed:
-                self.release()
+                if child.current is self:  # `release()`, inlined: a stopped child
+                    child.current = None  # is usually removed already
+                if child.runtime is self:
+                    child.runtime = None
+                actor = self.actor
+                if actor._actor_runtime is self:
+                    actor._actor_runtime = None
             elif not self.expected_exit and child.runtime is self and sup is not None:
                 sup._child_exited(child, self, reason)
 
     def release(self) -> None:
         """Break the cycles of a finished incarnation whose child is gone for good.
 
-        The actor and its runtime refer to each other, and so do the cell and
-        the runtime: left alone, every finished incarnation is cyclic garbage.
-        A daemon finishes a lease actor per step, and the full GC passes that
-        garbage brings (each walking every live object) cost a third of its
-        CPU under load. Once released, plain reference counting frees it.
+        The actor and its runtime refer to each other, and so do the cell (a
+        child record) and the runtime: left alone, every finished incarnation
+        is cyclic garbage. A daemon finishes a lease actor per step, and the
+        full GC passes that garbage brings (each walking every live object)
+        cost a third of its CPU under load. Once released, plain reference
+        counting frees it.
         """
-        if self.cell.current is self:
-            self.cell.current = None
+        cell = self.cell
+        if cell.current is self:
+            cell.current = None
+        if type(cell) is _Child and cell.runtime is self:
+            cell.runtime = None
         if self.actor._actor_runtime is self:
             self.actor._actor_runtime = None
 
     def has_pending(self) -> bool:
         return bool(self.queue) or bool(self.sysq)
 
-
-def _dead(path: str, reason: BaseException | None) -> ActorDead:
-    return ActorDead(path, reason)

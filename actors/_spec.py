@@ -81,13 +81,18 @@ class ChildSpec:
     shutdown: float | Literal["brutal"] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id or "/" in self.id or self.id in (".", ".."):
+        # `type(x) is T` first: a spec is made per lease attempt, and these
+        # checks cost no call when they pass.
+        child_id = self.id
+        if (type(child_id) is not str and not isinstance(child_id, str)) or not child_id or (
+            "/" in child_id or child_id in (".", "..")
+        ):
             raise ValueError(
                 f"ChildSpec.id must be a non-empty path segment without '/', got {self.id!r}"
             )
         if not callable(self.start):
             raise TypeError(f"ChildSpec.start must be a zero-argument callable, got {self.start!r}")
-        if not isinstance(self.restart, Restart):
+        if type(self.restart) is not Restart:
             raise TypeError(f"ChildSpec.restart must be a Restart, got {self.restart!r}")
         shutdown = self.shutdown
         if shutdown is not None and shutdown != "brutal":

@@ -54,10 +54,10 @@ from ._errors import (
     SupervisorEscalation,
 )
 from ._intensity import add_restart
-from ._ref import ActorRef, Cell, SupervisorRef
+from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, stop_now
+from ._ref import ActorRef, SupervisorRef
 from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
-from ._stats import ActorTree
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
@@ -157,28 +157,20 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if not isinstance(spec, ChildSpec):
+        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child() takes a ChildSpec, got {spec!r}")
-        rt = self._rt()
-        if not self._accepting:
-            raise ActorDead(rt.path, rt.reason)
-        if spec.id in self._children:
-            raise ChildExists(_child_path(rt.path, spec.id))
-        cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-        child = _Child(spec, cell)
-        self._children[spec.id] = child
-        cell.register()
+        child = self._new_child(spec)
         try:
             runtime = self._incarnate(child)
             if runtime.start_hook:
-                await runtime.start_inline()
+                await start_inline(runtime)
             else:
                 runtime.mark_started()  # nothing to wait for: an object and a dict entry
         except BaseException:
             if self._children.get(spec.id) is child:
                 self._remove(child)
             raise
-        return cell.ref()
+        return child.ref()
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a child without waiting for its `on_start`; return its ref at once.
@@ -197,25 +189,43 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if not isinstance(spec, ChildSpec):
+        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
             raise TypeError(f"start_child_nowait() takes a ChildSpec, got {spec!r}")
-        rt = self._rt()
-        if not self._accepting:
-            raise ActorDead(rt.path, rt.reason)
-        if spec.id in self._children:
-            raise ChildExists(_child_path(rt.path, spec.id))
-        cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-        child = _Child(spec, cell)
-        runtime = self._incarnate(child)
-        self._children[spec.id] = child
-        cell.register()
+        child = self._new_child(spec)
+        try:
+            runtime = self._incarnate(child)
+        except BaseException:
+            self._remove(child)
+            raise
         if not runtime.start_hook:
             runtime.mark_started()
         elif runtime.actor.sync_start:
-            runtime.start_now()
+            start_now(runtime)
         else:
-            runtime.start_soon()
-        return cell.ref()
+            start_soon(runtime)
+        ref = child.cached_ref  # `child.ref()`, inlined: a new cell has none yet
+        if ref is None:
+            ref = child.cached_ref = runtime.actor._actor_ref_type(child)
+        return ref
+
+    def _new_child(self, spec: ChildSpec) -> _Child:
+        """Register a child (its record and cell) for `spec` (`ActorDead`, `ChildExists`)."""
+        rt = self._actor_runtime
+        if rt is None:
+            raise self._not_running()
+        if not self._accepting:
+            raise ActorDead(rt.cell.path, rt.reason)
+        children = self._children
+        child_id = spec.id
+        parent = rt.cell
+        path = parent.path
+        path = "/" + child_id if path == "/" else path + "/" + child_id
+        if child_id in children:
+            raise ChildExists(path)
+        registry = parent.registry
+        child = children[child_id] = _Child(path, registry, spec)
+        registry[path] = child  # `cell.register()`, inlined
+        return child
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
@@ -227,13 +237,12 @@ class Supervisor(Actor):
         Raises:
             ActorNotFound: no child has this id.
         """
-        rt = self._rt()
         child = self._children.get(child_id)
         if child is None:
-            raise ActorNotFound(_child_path(rt.path, child_id))
+            raise ActorNotFound(_child_path(self._rt().path, child_id))
         self._remove(child)
         runtime = child.runtime
-        if runtime is not None and runtime.stop_now():
+        if runtime is not None and stop_now(runtime):
             return  # idle, no on_stop: stopped synchronously
         await self._stop_incarnation(child)
 
@@ -243,24 +252,11 @@ class Supervisor(Actor):
 
     def which_children(self) -> list[tuple[str, ActorRef]]:
         """Return ``(id, ref)`` for every child, in start order."""
-        return [(cid, child.cell.ref()) for cid, child in self._children.items()]
+        return [(cid, child.ref()) for cid, child in self._children.items()]
 
     async def receive(self, message: Any) -> Any:
         """Supervisors handle no messages of their own; asks get `None`."""
         return None
-
-    # -- introspection --------------------------------------------------------
-
-    def _tree(self, cell: Cell) -> ActorTree:
-        children = []
-        for child in list(self._children.values()):
-            rt = child.runtime
-            actor = rt.actor if rt is not None and not rt.done else None
-            if isinstance(actor, Supervisor):
-                children.append(actor._tree(child.cell))
-            else:
-                children.append(ActorTree(child.cell.statistics()))
-        return ActorTree(cell.statistics(), tuple(children))
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -269,10 +265,9 @@ class Supervisor(Actor):
         await self.on_start()
         try:
             for spec in self.static_children:
-                cell = Cell(_child_path(rt.path, spec.id), rt.cell.registry)
-                child = _Child(spec, cell)
+                child = _Child(_child_path(rt.path, spec.id), rt.cell.registry, spec)
                 self._children[spec.id] = child
-                cell.register()
+                child.register()
                 await self._start_incarnation(child)
         except Exception:
             # A static child failed to start: stop the rest in reverse order,
@@ -315,59 +310,72 @@ class Supervisor(Actor):
 
     def _remove(self, child: _Child) -> None:
         child.removed = True
-        if self._children.get(child.spec.id) is child:
-            del self._children[child.spec.id]
-        child.cell.retire()
+        children = self._children
+        child_id = child.spec.id
+        if children.get(child_id) is child:
+            del children[child_id]
+        child.retired = True  # `child.retire()`, inlined (one per lease)
+        child.cached_ref = None  # its ref points back at it: no cycle left behind
+        registry = child.registry
+        if registry.get(child.path) is child:
+            del registry[child.path]
         runtime = child.runtime
         if runtime is not None and runtime.done:
             runtime.release()
 
     def _incarnate(self, child: _Child) -> Runtime:
-        """Make the child's next incarnation (not started) and install it in its cell.
+        """Make the child's next incarnation (not started) and install it at its path.
 
         Raises:
             StartFailed: the factory raised or returned a non-Actor, or the
                 actor cannot run (a bad `mailbox_size`, a reused instance).
             ActorDead: this supervisor is ending.
         """
-        rt = self._rt()
+        rt = self._actor_runtime
+        if rt is None:
+            raise self._not_running()
         if rt.closed or rt.cancelled:
-            raise ActorDead(rt.path, rt.reason)
+            raise ActorDead(rt.cell.path, rt.reason)
         try:
             actor = child.spec.start()
             if not isinstance(actor, Actor):
                 raise TypeError(
                     f"ChildSpec {child.spec.id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = Runtime(actor, child.cell, rt.system, child, self)
+            runtime = Runtime(actor, child, rt.system, child, self)
         except Exception as exc:
-            raise StartFailed(child.cell.path) from exc
+            raise StartFailed(child.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
         child.runtime = runtime
-        child.cell.current = runtime
+        child.current = runtime  # `child.install(runtime)`, inlined
+        ref = child.cached_ref
+        if ref is not None and type(ref) is not actor._actor_ref_type:
+            child.cached_ref = None
         return runtime
 
     async def _start_incarnation(self, child: _Child) -> ActorRef:
         runtime = self._incarnate(child)
         if runtime.start_hook:
-            await runtime.start_inline()
+            await start_inline(runtime)
         else:
             runtime.mark_started()
-        return child.cell.ref()
+        return child.ref()
 
     def _child_exited(self, child: _Child, runtime: Runtime, reason: BaseException | None) -> None:
         rt = self._actor_runtime
         if rt is not None and not rt.closed:
-            item = _ChildExit(child, runtime, reason)
-            if not rt.busy and not rt.sysq and not rt.cancelled and rt.started \
-                    and self._actor_system_item_now(item):
-                # Idle, nothing queued ahead of it, and bookkeeping that cannot
-                # wait (a lease ending, a run passivating): done here, in the
-                # exiting child's owner, exactly as a turn would have done it
-                # (one handler at a time: nothing else holds this supervisor,
-                # and nothing runs between the check and the bookkeeping).
+            if not rt.busy and not rt.sysq and not rt.cancelled and rt.started and (
+                reason is None and child.spec.restart is not Restart.PERMANENT
+            ):
+                # Idle, nothing queued ahead of it, and a normal exit of a child
+                # not restarted after one (a lease ending, a run passivating):
+                # bookkeeping that cannot wait, done here, in the exiting
+                # child's owner, exactly as a turn would have done it (one
+                # handler at a time: nothing else holds this supervisor, and
+                # nothing runs between the check and the bookkeeping).
+                self._remove(child)
                 return
-            rt.sysq.append(item)
+            rt.sysq.append(_ChildExit(child, runtime, reason))
             rt.notify()
 
     async def _stop_incarnation(self, child: _Child) -> None:
@@ -383,7 +391,7 @@ class Supervisor(Actor):
         if shutdown is None:
             shutdown = float("inf") if runtime.actor._actor_is_supervisor else (
                 DEFAULT_WORKER_SHUTDOWN)
-        await runtime.stop_gracefully(shutdown)
+        await stop_gracefully(runtime, shutdown)
 
     async def _actor_system_item(self, item: object) -> None:
         if type(item) is _ChildExit:
@@ -408,12 +416,12 @@ class Supervisor(Actor):
             return  # stale: stopped on purpose, or already replaced
         reason = event.reason
         if isinstance(reason, ActorKilled):
-            log.info("actor %s was killed (%s); restarting it", child.cell.path,
+            log.info("actor %s was killed (%s); restarting it", child.path,
                      reason.detail or "fault injection")
         elif reason is not None:
             # Every crash is seen at the default level: a restart loop must
             # never be silent.
-            log.warning("actor %s crashed: %s: %s; %s", child.cell.path, type(reason).__name__,
+            log.warning("actor %s crashed: %s: %s; %s", child.path, type(reason).__name__,
                         reason, "restarting it" if _should_restart(child.spec.restart, reason)
                         else "not restarted (its restart type)", exc_info=reason)
         if not _should_restart(child.spec.restart, reason):
@@ -450,7 +458,7 @@ class Supervisor(Actor):
                 for child in group:
                     if child.removed or (child.runtime is not None and not child.runtime.done):
                         continue
-                    child.cell.restarts += 1
+                    child.restarts += 1
                     failed = child
                     try:
                         await self._start_incarnation(child)

@@ -23,6 +23,8 @@ every task group error in anyio and trio, it is grouped, never bare.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -31,6 +33,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._clock import Clock, SystemClock
 from ._errors import ActorDead, ActorKilled, ActorNotFound
+from ._lifecycle import start_inline, stop_gracefully
 from ._ref import ActorRef, Cell
 from ._runtime import Runtime
 from ._scheduler import DEFAULT_MAX_DISPATCHERS, Scheduler
@@ -40,6 +43,19 @@ from ._supervisor import Supervisor, SupervisorRef
 from ._timers import TimerService
 
 __all__ = ["ActorSystem"]
+
+
+def _tree(sup: Supervisor, cell: Cell) -> ActorTree:
+    """The subtree of `sup` (at `cell`), children in start order."""
+    children = []
+    for child in list(sup._children.values()):
+        rt = child.runtime
+        actor = rt.actor if rt is not None and not rt.done else None
+        if isinstance(actor, Supervisor):
+            children.append(_tree(actor, child))
+        else:
+            children.append(ActorTree(child.statistics()))
+    return ActorTree(cell.statistics(), tuple(children))
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -75,6 +91,15 @@ class ActorSystem:
         if root is not None and not isinstance(root, Supervisor):
             raise TypeError(f"root must be a Supervisor, got {root!r}")
         self.clock: Clock = clock if clock is not None else SystemClock()
+        # What an incarnation stamps its start with (`Runtime.started_at`):
+        # the system clock's wall time read in one C call (nanoseconds), or
+        # any other clock's `time_ms()`.
+        if type(self.clock) is SystemClock:
+            self._wall_stamp: Callable[[], int] = time.time_ns
+            self._wall_per_ms = 1_000_000
+        else:
+            self._wall_stamp = self.clock.time_ms
+            self._wall_per_ms = 1
         self._root = root if root is not None else Supervisor()
         self._registry: dict[str, Cell] = {}
         self._timers = TimerService(self.clock)
@@ -107,9 +132,9 @@ class ActorSystem:
             cell = Cell("/", self._registry)
             cell.register()
             self._root_rt = Runtime(self._root, cell, self)
-            cell.current = self._root_rt
+            cell.install(self._root_rt)
             try:
-                await self._root_rt.start_inline()  # the root's start, in this task
+                await start_inline(self._root_rt)  # the root's start, in this task
             except BaseException:
                 cell.retire()
                 raise
@@ -167,7 +192,7 @@ class ActorSystem:
         try:
             rt = self._root_rt
             if rt is not None and not rt.done:
-                await rt.stop_gracefully(float("inf"))
+                await stop_gracefully(rt, float("inf"))
                 await rt.wait_done()
         finally:
             self._stop_services()
@@ -219,7 +244,8 @@ class ActorSystem:
         cell = self._registry.get(path)
         if cell is None:
             raise ActorNotFound(path)
-        return cell.ref()
+        ref = cell.cached_ref
+        return ref if ref is not None else cell.ref()
 
     def find(self, path: str) -> ActorRef | None:
         """`resolve`, or None when nothing is registered at `path`.
@@ -228,7 +254,10 @@ class ActorSystem:
         building and raising `ActorNotFound` there cost ~1 % of a busy daemon.
         """
         cell = self._registry.get(path)
-        return None if cell is None else cell.ref()
+        if cell is None:
+            return None
+        ref = cell.cached_ref
+        return ref if ref is not None else cell.ref()
 
     def supervisor(self, path: str = "/") -> SupervisorRef:
         """Return a `SupervisorRef` to the supervisor at `path`.
@@ -304,7 +333,7 @@ class ActorSystem:
         rt = self._root_rt
         if rt is None:
             raise RuntimeError("the actor system is not running")
-        return self._root._tree(rt.cell)
+        return _tree(self._root, rt.cell)
 
     def statistics(self, path: str) -> ActorStatistics:
         """Return a snapshot of the actor at `path`.

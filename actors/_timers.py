@@ -94,9 +94,11 @@ class TimerService:
 
     def arm(self, owner: TimerOwner, key: Hashable, deadline: float, message: object) -> None:
         """Arm (or re-arm) `owner`'s timer `key`."""
-        self.cancel(owner, key)
+        timers = owner.timers
+        if key in timers:
+            self._retire(timers.pop(key))
         entry = TimerEntry(owner, key, deadline, message)
-        owner.timers[key] = entry
+        timers[key] = entry
         heapq.heappush(self._heap, (deadline, next(self._seq), entry))
         self._live += 1
         if deadline < self._target and self._wake_scope is not None:
@@ -113,8 +115,14 @@ class TimerService:
     def cancel_all(self, owner: TimerOwner) -> None:
         """Cancel every timer of `owner` (its incarnation ends)."""
         timers = owner.timers
-        while timers:
-            self._retire(timers.popitem()[1])
+        while timers:  # `_retire()` inlined, the heap compacted once at the end
+            entry = timers.popitem()[1]
+            if entry.state == _ARMED:
+                self._live -= 1
+            entry.state = _CANCELLED
+        heap = self._heap
+        if len(heap) > 64 and len(heap) > 2 * self._live:
+            self._compact()
 
     def delivered(self, entry: TimerEntry) -> bool:
         """Claim a fired entry for delivery; `False` if it was cancelled since."""
@@ -132,8 +140,12 @@ class TimerService:
         entry.state = _CANCELLED
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._live:
-            self._heap = [item for item in heap if item[2].state == _ARMED]
-            heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the retired entries once they outnumber the live ones."""
+        self._heap = [item for item in self._heap if item[2].state == _ARMED]
+        heapq.heapify(self._heap)
 
     def _fire_due(self) -> None:
         now = self._clock.now()

@@ -17,8 +17,9 @@ from typing import Any
 
 import anyio
 
-from ._drive import Killed, drive
+from ._drive import Killed, drive, rest
 from ._errors import StartFailed
+from ._lifecycle import stop_sequence
 from ._mailbox import Ask
 from ._runtime import Runtime
 from ._timers import TimerEntry
@@ -38,7 +39,9 @@ def _is_cancel(exc: BaseException) -> bool:
 async def _start_in_turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> bool:
     rt.start_pending = False
     try:
-        await drive(rt, rt.actor._actor_start(), base, sched, scoped=True)
+        actor = rt.actor
+        coro = actor.on_start() if actor._actor_plain_start else actor._actor_start()
+        await drive(rt, coro, base, sched, scoped=True)
     except BaseException as exc:
         if rt.cancelled:
             rt._end(rt.cancel_reason)
@@ -69,19 +72,36 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
             return 1
         queue = rt.queue
         sysq = rt.sysq
+        receive = rt.actor.receive
         while handled < TURN and not rt.done:
             if rt.hook_pending:
-                await rt._stop_sequence(rt.hook_reason, math.inf, sched, base)
+                await stop_sequence(rt, rt.hook_reason, math.inf, sched, base)
                 break
             if rt.stop_requested:
-                await rt._stop_sequence(None, math.inf, sched, base)
+                await stop_sequence(rt, None, math.inf, sched, base)
                 break
             handled += 1
             try:
                 if sysq:
                     await _serve_system(rt, sysq.popleft(), sched, base)
                 elif queue:
-                    await _serve(rt, rt._take(), sched, base)
+                    item = queue.popleft()  # `rt._take()`, inlined
+                    senders = rt.senders
+                    if senders:
+                        senders.popleft().set()
+                    if type(item) is Ask:
+                        await _serve_ask(rt, item, sched, base)
+                    elif rt.scoped:
+                        await drive(rt, receive(item), base, sched)
+                    else:
+                        # A told message: its handler's first step right here,
+                        # so one that does not wait costs no call of ours.
+                        coro = receive(item)
+                        try:
+                            yielded = coro.send(None)
+                        except StopIteration:
+                            continue
+                        await rest(rt, coro, yielded, base, sched)
                 else:
                     handled -= 1
                     break
@@ -97,23 +117,20 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
             sched.schedule(rt)
 
 
-async def _serve(rt: Runtime, item: Any, sched: SchedulerLike[Runtime], base: object) -> None:
+async def _serve_ask(rt: Runtime, item: Ask, sched: SchedulerLike[Runtime], base: object) -> None:
     actor = rt.actor
-    if type(item) is Ask:
-        rt.current = item
-        try:
-            value = await drive(rt, actor.receive(item.message), base, sched)
-        except Exception as exc:
-            errors = actor.reply_errors
-            if errors and isinstance(exc, errors):
-                rt.current = None
-                item.set_error(exc)
-                return
-            raise
-        rt.current = None
-        item.set_value(value)
-    else:
-        await drive(rt, actor.receive(item), base, sched)
+    rt.current = item
+    try:
+        value = await drive(rt, actor.receive(item.message), base, sched)
+    except Exception as exc:
+        errors = actor.reply_errors
+        if errors and isinstance(exc, errors):
+            rt.current = None
+            item.set_error(exc)
+            return
+        raise
+    rt.current = None
+    item.set_value(value)
 
 
 async def _serve_system(
@@ -138,7 +155,7 @@ async def _handler_failed(
             raise exc  # the dispatcher is cancelled too (the system stops)
         return
     if isinstance(exc, Exception):
-        await rt._stop_sequence(exc, math.inf, sched, base)  # a crash: on_stop runs
+        await stop_sequence(rt, exc, math.inf, sched, base)  # a crash: on_stop runs
         return
     rt._end(None)  # the dispatcher is cancelled: the system is being torn down
     raise exc

@@ -21,6 +21,7 @@ whether a kill scope may be entered around the rest of the handler.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 try:  # trio is a dependency, but the runtime must not need it on asyncio
@@ -32,7 +33,12 @@ __all__ = ["Waiter", "cancel_scope_token", "current_time"]
 
 _get_running_loop = asyncio.get_running_loop
 _running_loop = asyncio._get_running_loop  # None outside asyncio, without raising
-_current_task = asyncio.current_task
+_InvalidStateError = asyncio.InvalidStateError
+# `asyncio.current_task()` is a Python function on 3.11 (a loop lookup and this
+# dict's get); the dict itself answers in one C call. Newer Pythons may keep
+# it elsewhere: then `current_task` itself.
+_current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
+_task_of = _current_tasks.get if isinstance(_current_tasks, dict) else asyncio.current_task
 
 
 def current_time() -> float:
@@ -54,15 +60,21 @@ def current_time() -> float:
         return trio.current_time()  # raises RuntimeError outside trio too
 
 
+async def _ready() -> None:
+    """What `Waiter.wait` returns when the waiter is already set."""
+
+
 class Waiter:
-    """Wake one waiting task, once."""
+    """Wake one waiting task, once.
 
-    __slots__ = ("_fut", "_is_set", "_task")
+    No `__init__` and no slots: its three fields start as class attributes,
+    so making one (every ask through a mailbox, every parked dispatcher or
+    reader) runs no Python code at all.
+    """
 
-    def __init__(self) -> None:
-        self._is_set = False
-        self._fut: asyncio.Future[None] | None = None
-        self._task: Any = None  # a trio task parked in wait()
+    _is_set = False
+    _fut: asyncio.Future[None] | None = None
+    _task: Any = None  # a trio task parked in wait()
 
     def is_set(self) -> bool:
         return self._is_set
@@ -74,32 +86,35 @@ class Waiter:
         fut = self._fut
         if fut is not None:
             self._fut = None
-            if not fut.done():
+            try:
                 fut.set_result(None)
+            except _InvalidStateError:  # cancelled meanwhile: its waiter is leaving
+                pass
             return
         task = self._task
         if task is not None:
             self._task = None
             _trio_lowlevel.reschedule(task)
 
-    async def wait(self) -> None:
-        """Return once `set()` was called (at once if it was already).
+    def wait(self) -> Awaitable[None]:
+        """Return an awaitable that completes once `set()` was called (at once if it was).
+
+        On asyncio it is the bare future itself (awaiting it runs no Python
+        frame of ours, one fewer per wait on the hottest waits); on trio a
+        coroutine parked with `wait_task_rescheduled`. Await it right away,
+        once.
 
         Raises:
-            the backend's cancellation exception, if cancelled meanwhile.
+            the backend's cancellation exception (from the await), if
+            cancelled meanwhile.
         """
         if self._is_set:
-            return
-        try:
-            loop = _get_running_loop()
-        except RuntimeError:
-            await self._wait_trio()
-            return
-        fut = self._fut = loop.create_future()
-        try:
-            await fut
-        finally:
-            self._fut = None
+            return _ready()
+        loop = _running_loop()
+        if loop is None:
+            return self._wait_trio()
+        fut = self._fut = loop.create_future()  # set() clears it; a cancelled one stays done
+        return fut
 
     async def _wait_trio(self) -> None:
         self._task = _trio_lowlevel.current_task()
@@ -138,8 +153,9 @@ def cancel_scope_token() -> object:
     the safe answer.
     """
     global _cached_task, _cached_state
-    if _running_loop() is not None:
-        task = _current_task()
+    loop = _running_loop()
+    if loop is not None:
+        task = _task_of(loop)
         if task is _cached_task:
             return _cached_state.cancel_scope
         states = _states if _states is not None else _asyncio_states()
