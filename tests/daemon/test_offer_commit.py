@@ -12,12 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from stepd.actors.daemon import Daemon, DaemonConfig, store
 from stepd.sansio.lease import Op
 from stepd.storage import CommitFailed
 
+from ..actors._helpers import settle
 from .helpers import eventually, writer_held
 
 
@@ -69,6 +68,12 @@ async def _settled(daemon: Daemon) -> None:
     await daemon.storage.write(store.barrier_txn)
 
 
+async def _queued(daemon: Daemon) -> None:
+    """The complete's write waits behind the held one (no sleep: the writer's own count)."""
+    await eventually(lambda: daemon.storage.statistics().queued >= 1,
+                     what="the complete's write queued behind the held one")
+
+
 async def _status(daemon: Daemon, run_id: str) -> str:
     return str(daemon.status(run_id)["status"])
 
@@ -104,7 +109,7 @@ async def test_a_lease_offered_ahead_is_pushed_only_after_its_commit(tmp_path: P
         await eventually(lambda: worker.leases, what="the first lease")
         async with writer_held(daemon) as tg:
             tg.start_soon(_complete, daemon, conn, worker.leases[0])
-            await anyio.sleep(0.05)  # the run took the slot and waits for its commit
+            await _queued(daemon)  # the run took the slot and waits for its commit
             assert len(worker.leases) == 1  # nothing of the next step before it is on record
         await eventually(lambda: len(worker.leases) == 2, what="the second lease")
         assert worker.on_record[1] is True
@@ -145,9 +150,9 @@ async def test_a_run_killed_during_the_commit_still_hands_over_the_lease_on_reco
         await eventually(lambda: worker.leases, what="the first lease")
         async with writer_held(daemon) as tg:
             tg.start_soon(_complete, daemon, conn, worker.leases[0])
-            await anyio.sleep(0.05)  # the run waits for the commit holding the offer
+            await _queued(daemon)  # the run waits for the commit holding the offer
             tg.start_soon(daemon.kill, f"/runs/{run_id}")  # lands when that wait ends
-            await anyio.sleep(0.05)
+            await settle()  # the kill is waiting too
         await eventually(lambda: len(worker.leases) == 2, what="the second lease")
         assert worker.on_record[1] is True
         await _complete(daemon, conn, worker.leases[1])

@@ -15,6 +15,8 @@ from stepd.actors.daemon.store import RunWrite
 from stepd.otel import SpanExport, traces_url
 from stepd.sansio.errors import Invalid
 
+from ..daemon.helpers import eventually
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -109,8 +111,6 @@ def test_on_an_event_loop_a_turn_of_writes_goes_down_the_pipe_in_one_write(
     one ``os.write`` when it fires, and every span arrives."""
     import asyncio
 
-    import stepd.otel
-
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
     writes_down: list[int] = []
     real_write = os.write
@@ -128,7 +128,7 @@ def test_on_an_event_loop_a_turn_of_writes_goes_down_the_pipe_in_one_write(
         for i in range(1_000):
             export.committed(finished_run(i))
         assert writes_down == []  # nothing yet: the timer has not fired
-        await asyncio.sleep(stepd.otel.FLUSH_S * 3)
+        await eventually(lambda: writes_down, what="the timer's flush")  # FLUSH_S after the first
         assert len(writes_down) == 1 and export.statistics().dropped == 0
         export.stop()
         await asyncio.to_thread(export.close)
@@ -169,10 +169,8 @@ def test_a_write_larger_than_the_pipe_crosses_whole_in_pieces() -> None:
         export.start()
         export.committed(big)
         export.committed(finished_run(2))
-        for _ in range(200):  # bounded: 10 s
-            await asyncio.sleep(0.05)
-            if export.statistics().exported == 3:  # r_1's run and attempt, r_2's run
-                break
+        # r_1's run and attempt, r_2's run
+        await eventually(lambda: export.statistics().exported == 3, what="three spans exported")
         assert export.statistics().dropped == 0
         export.stop()
         await asyncio.to_thread(export.close)
