@@ -4,6 +4,7 @@ the workers list (see `api`)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -81,7 +82,10 @@ class Connection:
 
     def detach(self) -> None:
         """The connection ended: its undelivered slots and credit go back."""
-        peers.tell(self._daemon.services, f"/sessions/{self.worker_id}", Detach(self.conn))
+        s = self._daemon.services
+        if s.push_conns.get(self.worker_id) is self:
+            del s.push_conns[self.worker_id]
+        peers.tell(s, f"/sessions/{self.worker_id}", Detach(self.conn))
 
 
 
@@ -179,7 +183,14 @@ class WorkerOps(ApiBase):
             Unavailable: the sessions supervisor is restarting.
         """
         conn = Connection(self, worker_id, next(_CONNECTIONS), outbox)
-        await self._tell_session(worker_id, Attach(conn.conn, outbox))
+        conns = self.services.push_conns
+
+        def record() -> None:
+            # After the session's start, before its Attach: a later start (a kill's
+            # restart, or the sessions supervisor's) closes it (`Services.push_conns`).
+            conns[worker_id] = conn
+
+        await self._tell_session(worker_id, Attach(conn.conn, outbox), before=record)
         return conn
 
     async def claim(self, worker_id: str, *, max: int = 1, wait_ms: int = 0,
@@ -237,12 +248,16 @@ class WorkerOps(ApiBase):
             peers.tell(self.services, f"/sessions/{worker_id}", AbandonClaim(claim))
         return got[0] if got else []
 
-    async def _tell_session(self, worker_id: str, message: Any) -> None:
+    async def _tell_session(self, worker_id: str, message: Any,
+                            before: Callable[[], None] | None = None) -> None:
         """Tell the worker's session, starting it if need be; a session killed between
-        finding it and telling it is started again (a few times, then Unavailable)."""
+        finding it and telling it is started again (a few times, then Unavailable).
+        `before` runs once the session is running, right before the tell."""
         for attempt in range(3):
             try:
                 session = await peers.ensure_session(self.services, worker_id)
+                if before is not None:
+                    before()
                 await session.tell(message)
                 return
             except ActorDead as exc:

@@ -189,6 +189,14 @@ class Services:
     #: found 7 leases of a SIGKILLed worker never orphaned in 50 s). A plain int
     #: per lease, not an object: lease actors start and stop on every attempt.
     lease_touched: dict[str, int] = field(default_factory=dict)
+    #: Worker id -> its push connection (`_api_workers.Connection`), recorded by
+    #: `Daemon.attach` once the session is running and before its `Attach` is
+    #: told, dropped by that connection's `detach`. A session's start closes the
+    #: one recorded before it (session.py): its `Attach` and credit may have died
+    #: in a killed incarnation's mailbox, or with the whole sessions supervisor,
+    #: and an idle worker sends no credit again by itself (examples/chaos.py
+    #: left runs queued for good that way).
+    push_conns: dict[str, Any] = field(default_factory=dict)
     #: Worker sessions whose actor started in this process. A session's first start
     #: here after a daemon restart grants its holder a full `lease_ms` (its worker
     #: could not renew while the daemon was down), as recovery grants leases a full

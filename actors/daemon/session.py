@@ -15,7 +15,10 @@ What it knows is not durable: a killed or crashed session cannot rebuild a
 connection, so its next incarnation closes the connection it had (the worker
 reconnects and registers again, keeping its leases: a lease belongs to the
 worker) and ends the claims that waited (empty: the worker claims again).
-The `SessionMemo` its child spec holds carries just that across incarnations.
+The `SessionMemo` its child spec holds carries just that across incarnations;
+`Services.push_conns` carries the connection across child specs too (a restart
+of the sessions supervisor makes new ones), so every start closes the push
+connection attached before it.
 """
 
 from __future__ import annotations
@@ -131,9 +134,19 @@ class SessionActor(Actor):
         self.machine = SessionMachine(self.worker_id, self.s.config.worker_expiry_ms,
                                       last_active=self.s.clock.time_ms())
         memo = self.memo
-        if memo.outbox is not None:  # an earlier incarnation's connection: it cannot go on
-            outbox, memo.outbox = memo.outbox, None
-            outbox.close("the worker's session restarted: reconnect")
+        # A push connection attached before this start cannot go on: its Attach and
+        # credit may have died with an earlier incarnation (its mailbox) or with the
+        # whole sessions supervisor (a new child spec, a new memo), and an idle
+        # worker grants no credit again by itself. Closed, the worker reconnects,
+        # registers and grants its credit afresh; its leases stay its own.
+        stale = [memo.outbox]
+        conn = self.s.push_conns.pop(self.worker_id, None)
+        if conn is not None and conn.outbox is not memo.outbox:
+            stale.append(conn.outbox)
+        memo.outbox = None
+        for outbox in stale:
+            if outbox is not None:
+                outbox.close("the worker's session restarted: reconnect")
         claims, memo.claims = memo.claims, {}
         for reply in claims.values():
             reply([])
