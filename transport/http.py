@@ -54,10 +54,7 @@ from ._asgi import (
     send_response,
     until_disconnect,
 )
-from ._console import CONSOLE_CSP as CONSOLE_CSP
-from ._console import CONTENT_TYPES as CONTENT_TYPES
-from ._console import console_assets as console_assets
-from ._console import send_asset, send_redirect
+from ._console import CONSOLE_CSP, CONTENT_TYPES, console_assets, send_asset, send_redirect
 from ._routes import CONNECT, HEALTHZ, METRICS, OPENAPI, UI, UI_REDIRECT, Route, Special, route
 from ._uvicorn_http import EXCHANGE_EXTENSION, HttpExchange
 from .auth import Forbidden, Principal, Unauthorized
@@ -79,7 +76,8 @@ from .protocol import (
 )
 from .websocket import DEFAULT_MAX_QUEUE_BYTES, WorkerSockets
 
-__all__ = ["HttpApp", "create_app"]
+# The route table and the console's names are re-exported: they were this module's.
+__all__ = ["CONSOLE_CSP", "CONTENT_TYPES", "HttpApp", "console_assets", "create_app", "route"]
 
 log = logging.getLogger("stepd.transport.http")
 
