@@ -16,15 +16,15 @@ thread pool), and ``complete`` or ``fail`` with every 409 answered by its reason
 Calls lost with a connection are sent again on the next one (every lease call
 is safe to repeat); heartbeats are not (the next one follows soon).
 
-What a lease costs, and why. Leases run on *runners*: long-lived tasks (at most
-``concurrency`` of them) that park on a `stepd.actors.Waiter` between leases,
-so a lease costs no task, no task group and no event. A runner's leases run
-inside one cancel scope of its own, made anew only after it was used to
-cancel a body (``fenced``, ``run_terminal``, the grace period, or
-``ctx.cancel_scope.cancel()``), so a lease costs no cancel scope either. Over
-the WebSocket ``started`` is a frame sent ahead (`Channel.send_soon`) whose
-answer comes back to a callback: no task, no wait. Heartbeats are in
-`stepd._heartbeats` (nothing per lease for a body that ends within a second).
+What a lease costs, and why. Leases run on *runners* (`stepd._runners`):
+long-lived tasks that park between leases, so a lease costs no task, no task
+group and no event; a runner's leases run inside one cancel scope of its
+own, made anew only after it was used to cancel a body (``fenced``,
+``run_terminal``, the grace period, or ``ctx.cancel_scope.cancel()``), so a
+lease costs no cancel scope either. Over the WebSocket ``started`` is a frame
+sent ahead (`Channel.send_soon`) whose answer comes back to a callback: no
+task, no wait. Heartbeats are in `stepd._heartbeats` (nothing per lease for a
+body that ends within a second).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import anyio.to_thread
 
 from stepd import _otel_context
 from stepd._bodies import REPORTING, Active, Body, Definition, Runner, call_in_thread
-from stepd._calls import LOST_REASONS, LeaseCalls
 from stepd._errors import (
     AlreadyApplied,
     Cancelled,
@@ -55,6 +54,7 @@ from stepd._errors import (
     StepdError,
     StepFailure,
 )
+from stepd._runners import CANCELLED, LeaseRunners
 from stepd.actors import Waiter
 from stepd.channels import Channel, Lost, Unencodable, frame_error
 from stepd.context import StepContext, _current_ctx
@@ -63,35 +63,22 @@ if TYPE_CHECKING:
     import httpx
 
     from stepd._http1 import Http1Client
-    from stepd.embedded import Embedded
 
 log = logging.getLogger("stepd.worker")
 
 TERMINAL_MEMORY_S: Final = 600.0
 TERMINAL_MEMORY_MAX: Final = 10_000
-DIRECT_FAIL_TIMEOUT_S: Final = 5.0
-_CANCELLED: Final = ("cancelled",)
 
 
-class LeaseProtocol(LeaseCalls):
+class LeaseProtocol(LeaseRunners):
     """The per-lease half of `stepd.Worker`: it reads the worker's state below."""
 
-    name: str
     timeout: float
-    concurrency: int
-    running: int
     stopping: bool
-    _daemon: Embedded | None
     _http: httpx.AsyncClient | Http1Client | None
-    _tg: anyio.abc.TaskGroup | None
     _channel: Channel | None
     _channel_ready: Waiter
     _defs: dict[tuple[str, str | None], Definition]
-    _active: dict[str, Active]
-    _idle: list[Runner]
-    _runners: int
-    _handoffs: int
-    _done_running: bool
     _terminal_runs: collections.OrderedDict[str, float]
     _fatal: list[BaseException]
     _threads: anyio.CapacityLimiter | None
@@ -102,8 +89,6 @@ class LeaseProtocol(LeaseCalls):
     grace: float
 
     if TYPE_CHECKING:  # the worker's (`stepd.worker`) and the heartbeats' (`stepd._heartbeats`)
-        def _slots_changed(self) -> None: ...
-
         def _stop_here(self, grace: float) -> None: ...
 
         def _body_starts(self, active: Active) -> None: ...
@@ -117,31 +102,7 @@ class LeaseProtocol(LeaseCalls):
 
         def _sticky_forget(self, run_id: str) -> None: ...
 
-    # ------------------------------------------------------------------ leases in
-
-    def accept(self, lease: dict[str, Any]) -> None:
-        """A lease arrived (from any channel): the runner reporting in this task takes it
-        when its call returns (`stepd._bodies.REPORTING`), else an idle runner, else a new one."""
-        self.running += 1
-        if self._daemon is not None:  # in process: the only channel that offers inside a call
-            reporting = REPORTING.get()
-            if reporting is not None and reporting.reporting and reporting.handoff is None:
-                reporting.handoff = lease
-                return
-        idle = self._idle
-        if idle:
-            runner = idle.pop()
-            runner.lease = lease
-            runner.holding = True
-            waiter = runner.waiter
-            runner.waiter = None
-            waiter.set()  # type: ignore[union-attr]
-            return
-        assert self._tg is not None
-        runner = Runner(lease)
-        runner.holding = True
-        self._runners += 1
-        self._tg.start_soon(self._runner, runner, name="stepd worker runner")
+    # ------------------------------------------------------------------ cancels from outside
 
     def on_cancel(self, lease_id: str, reason: str) -> None:
         """The daemon ended one of our leases (a WebSocket or in-process ``cancel`` push)."""
@@ -202,83 +163,6 @@ class LeaseProtocol(LeaseCalls):
                     f"definition_hash {held.definition_hash[:12]}, not {theirs}")
         return f"worker {self.name} holds no body {lease.get('body')!r} of {key[0]!r}"
 
-    # ------------------------------------------------------------------ runners
-
-    async def _runner(self, runner: Runner) -> None:
-        cancelled = anyio.get_cancelled_exc_class()
-        try:
-            while True:
-                scope = runner.scope = anyio.CancelScope()
-                with scope:
-                    while True:
-                        job = runner.job
-                        if job is None:
-                            await self._lease(runner)
-                        else:  # an idle runner lent to send a lease's `started`
-                            runner.job = None
-                            await self._started(job)
-                        if not await self._park(runner):
-                            return
-                # A body's cancellation left the scope (or a body swallowed it, and the
-                # scope's cancellation hit what followed): finish its lease out here.
-                active = runner.active
-                if active is not None:
-                    await self._after_body(runner, active, active.outcome or _CANCELLED)
-                else:
-                    self._release(runner, None)
-                if not await self._park(runner):
-                    return
-        except cancelled:
-            await self._abandon(runner)
-            raise
-        finally:
-            self._runners -= 1
-
-    def _pass_on(self, runner: Runner) -> None:
-        """The lease handed to ``runner`` goes to another one: ``runner`` is not free yet."""
-        lease = runner.handoff
-        if lease is not None:
-            runner.handoff = None
-            self.running -= 1
-            self.accept(lease)
-
-    async def _park(self, runner: Runner) -> bool:
-        """Wait for the next lease (or job); False: this runner ends (the worker has finished)."""
-        lease = runner.handoff
-        if lease is not None:  # offered while this runner reported: taken without a wait
-            runner.handoff = None
-            runner.lease = lease
-            runner.holding = True
-            self._handoffs += 1
-            return True
-        if self._done_running or self._runners > self.concurrency:
-            return False
-        waiter = runner.waiter = Waiter()
-        self._idle.append(runner)
-        await waiter.wait()
-        return runner.lease is not None or runner.job is not None
-
-    def _release(self, runner: Runner, active: Active | None) -> None:
-        """The lease is over (reported, dropped or refused): free its slot."""
-        if active is not None:
-            active.finished = True
-            self._active.pop(active.ctx.lease_id, None)
-            runner.active = None
-        if runner.holding:
-            runner.holding = False
-            self.running -= 1
-            self._slots_changed()
-
-    async def _abandon(self, runner: Runner) -> None:
-        """The worker itself is being cancelled: fail the attempt back, not silently."""
-        active = runner.active
-        if active is not None and not active.reported \
-                and active.ctx._cancel_reason not in LOST_REASONS:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(DIRECT_FAIL_TIMEOUT_S):
-                await self._direct_fail(active.ctx.lease_id, "retryable",
-                                        f"worker {self.name} was cancelled")
-        self._release(runner, active)
-
     # ------------------------------------------------------------------ one lease
 
     async def _lease(self, runner: Runner) -> None:
@@ -315,7 +199,7 @@ class LeaseProtocol(LeaseCalls):
                 await self._sticky_history(active)
             except (StepdError, Lost, Unencodable) as exc:
                 self._started_refused(active, exc)
-                await self._after_body(runner, active, _CANCELLED)
+                await self._after_body(runner, active, CANCELLED)
                 return
         if lease["delivery"] == "at_most_once":
             # The daemon persists `started` before answering: only then may the body run.
@@ -327,7 +211,7 @@ class LeaseProtocol(LeaseCalls):
             active.started_state = 3
         else:
             self._started_soon(active)  # the body starts at once; `started` goes out beside it
-        outcome: tuple[Any, ...] = _CANCELLED
+        outcome: tuple[Any, ...] = CANCELLED
         if not (ctx._cancel_reason or active.reported):
             self._body_starts(active)
             active.in_body = True
@@ -481,7 +365,7 @@ class LeaseProtocol(LeaseCalls):
         except StepFailure as exc:
             return ("error", exc.error_class, exc.message)
         except Cancelled:
-            return _CANCELLED
+            return CANCELLED
         except Exception as exc:  # the body failed: class fatal, the traceback stays here
             log.warning("worker %s: body %r of %s/%s (attempt %s) failed", self.name, body.name,
                         ctx.run_id, ctx.step_id, ctx.attempt, exc_info=True)

@@ -59,7 +59,8 @@ from stepd.sansio.durations import parse_duration
 from stepd.sansio.errors import Invalid
 from stepd.sansio.pricing import PriceBook
 from stepd.sansio.run import DEFAULT_MAX_CHILD_DEPTH
-from stepd.transport._uvicorn import HttpProtocol, WebSocketProtocol, http_protocol
+from stepd.transport._uvicorn_http import HttpProtocol, http_protocol
+from stepd.transport._uvicorn_ws import WebSocketProtocol
 from stepd.transport.auth import KeyRing, check_bind_address
 from stepd.transport.http import create_app
 from stepd.transport.protocol import DEFAULT_MAX_BODY_BYTES, Protocol

@@ -25,16 +25,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
+from stepd._workflow_draft import BodyFn, WorkflowDraft
 from stepd.sansio.definition import (
     BUDGET_NAMES,
     MAX_NAME_BYTES,
-    Definition,
     Delivery,
     RetryPolicy,
     parse_budgets,
-    parse_definition,
     parse_retry,
-    parse_step,
 )
 from stepd.sansio.durations import Duration, parse_duration
 from stepd.sansio.errors import Invalid
@@ -42,7 +40,6 @@ from stepd.sansio.session_spec import parse_sessions
 
 __all__ = ["BodyConfig", "Retry", "Workflow", "body", "body_config"]
 
-BodyFn = Callable[..., Any]
 _F = TypeVar("_F", bound=BodyFn)
 
 _BODY_ATTR: Final = "__stepd_body__"
@@ -165,13 +162,16 @@ def Retry(
     )
 
 
-class Workflow:
+class Workflow(WorkflowDraft):
     """A chainable builder of one workflow definition.
 
     Every adding method returns the builder itself. A step is validated when it
     is added (``Invalid`` names ``steps[<n>].<field>`` and the workflow);
     references to steps added later (``next=``, ``${steps.<id>}``) are checked
     by `definition`.
+
+    What it has gathered, the door a step comes in by and what the worker reads
+    are `WorkflowDraft`'s; this class turns each call's arguments into a part.
 
     Args:
         name: the workflow name runs are started by.
@@ -181,39 +181,7 @@ class Workflow:
         Invalid: ``name`` or ``version`` is not a non-empty string.
     """
 
-    __slots__ = (
-        "_bodies",
-        "_budgets",
-        "_cached",
-        "_deadline_ms",
-        "_ids",
-        "_name",
-        "_sessions",
-        "_steps",
-        "_version",
-    )
-
-    def __init__(self, name: str, version: str | None = None) -> None:
-        # The daemon's parser checks the name and version; with no steps yet the
-        # only other complaint it can have is the empty step list.
-        probe: dict[str, Any] = {"name": name, "version": version, "steps": []}
-        try:
-            parse_definition(probe)
-        except Invalid as exc:
-            if exc.field != "steps":
-                raise
-        self._name = name
-        self._version = version
-        self._steps: list[dict[str, Any]] = []
-        self._ids: dict[str, int] = {}
-        self._bodies: dict[str, BodyFn] = {}
-        self._budgets: dict[str, int | None] = {}
-        self._deadline_ms: int | None = None
-        self._sessions: dict[str, dict[str, Any]] = {}
-        self._cached: Definition | None = None
-
-    def __repr__(self) -> str:
-        return f"Workflow({self._name!r}, version={self._version!r}, steps={list(self._ids)!r})"
+    __slots__ = ()
 
     # --- adding steps -----------------------------------------------------------
 
@@ -506,66 +474,7 @@ class Workflow:
         self._cached = None
         return self
 
-    # --- results -------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        """The workflow name."""
-        return self._name
-
-    @property
-    def version(self) -> str | None:
-        """The application's version label, or None."""
-        return self._version
-
-    @property
-    def definition(self) -> Definition:
-        """The definition, validated by the daemon's own parser (cached until changed).
-
-        Raises:
-            Invalid: what only the whole definition shows: no steps, a ``next=``
-                naming no step, a template naming a step that does not exist.
-        """
-        if self._cached is None:
-            self._cached = parse_definition(self._raw())
-        return self._cached
-
-    def to_json(self) -> dict[str, Any]:
-        """The wire form with every default filled in (what ``register`` sends).
-
-        Raises:
-            Invalid: as `definition`.
-        """
-        return self.definition.to_json()
-
-    @property
-    def definition_hash(self) -> str:
-        """The definition's hash, as the daemon computes it.
-
-        Raises:
-            Invalid: as `definition`.
-        """
-        return self.definition.definition_hash
-
-    @property
-    def bodies(self) -> dict[str, BodyFn]:
-        """Body name -> callable, for the worker (a copy; string bodies are absent)."""
-        return dict(self._bodies)
-
-    # --- internals -------------------------------------------------------------------
-
-    def _raw(self) -> dict[str, Any]:
-        raw: dict[str, Any] = {"name": self._name, "version": self._version, "steps": self._steps}
-        if self._budgets:
-            raw["budgets"] = self._budgets
-        if self._deadline_ms is not None:
-            raw["deadline_ms"] = self._deadline_ms
-        if self._sessions:
-            raw["sessions"] = self._sessions
-        return raw
-
-    def _fail(self, message: str, field: str) -> Invalid:
-        return Invalid(message, field=field, definition=self._name)
+    # --- arguments into parts ---------------------------------------------------------
 
     def _body(self, body: BodyFn | str, index: int) -> tuple[str, BodyFn | None]:
         if isinstance(body, str):
@@ -591,16 +500,6 @@ class Workflow:
                 return declared
         return 1
 
-    def _duration(
-        self, value: Duration | None, index: int, arg: str, *, allow_zero: bool = False
-    ) -> int | None:
-        if value is None and not allow_zero:  # an optional timeout left out
-            return None
-        try:
-            return parse_duration(value, field=f"steps[{index}].{arg}", allow_zero=allow_zero)
-        except Invalid as exc:
-            raise exc.with_location(definition=self._name) from None
-
     def _task_options(
         self,
         raw: dict[str, Any],
@@ -617,40 +516,6 @@ class Workflow:
             raw["retry"] = retry.to_json()
         raw["timeout_ms"] = self._duration(timeout, index, "timeout")
         raw["_next_step"] = next
-
-    def _add(self, raw: dict[str, Any], body_name: str | None, fn: BodyFn | None) -> Workflow:
-        index = len(self._steps)
-        try:
-            step = parse_step(raw, index=index)
-        except Invalid as exc:
-            if exc.field == f"steps[{index}].id" and raw.get("kind") != "sleep":
-                raise Invalid(
-                    f"{exc.message}; pass id= to name this step",
-                    field=exc.field,
-                    definition=self._name,
-                ) from None
-            raise exc.with_location(definition=self._name) from None
-        if step.id in self._ids:
-            raise self._fail(
-                f"duplicate step id {step.id!r} (already used by steps[{self._ids[step.id]}]); "
-                "pass id= to give this step another id",
-                f"steps[{index}].id",
-            )
-        if fn is not None and body_name is not None:
-            existing = self._bodies.get(body_name)
-            if existing is not None and existing is not fn:
-                raise self._fail(
-                    f"body name {body_name!r} is already bound to {existing!r}; "
-                    "give one of them another name with @stepd.body(name=...)",
-                    f"steps[{index}].body",
-                )
-        # Nothing above changed the builder: a refused call leaves it as it was.
-        self._steps.append(step.to_json())
-        self._ids[step.id] = index
-        if fn is not None and body_name is not None:
-            self._bodies[body_name] = fn
-        self._cached = None
-        return self
 
 
 def _delivery(value: Delivery | str) -> Any:

@@ -13,6 +13,7 @@ the environment last. See ``docs/storage.md`` for the rules in full; in short:
 * ``storage.read(fn, *args)`` runs ``fn(rtxn, *args)`` in a short read
   transaction right here, in the calling thread: LMDB reads take microseconds
   and never wait for the writer (MVCC), so they are fine on the event loop.
+  They are `StorageReads` (``_reads.py``), mixed in here.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import sniffio
 from stepd.actors import Waiter
 
 from ._env import REGISTRY, Gate, OpenEnv, check_tables, open_env
-from ._errors import StorageClosed, UsedAfterFork
-from ._keys import Key
-from ._txn import ReadTxn, WriteTxn, journal_txn
+from ._errors import StorageClosed
+from ._reads import StorageReads
+from ._txn import WriteTxn
 from ._writer import CallSoon, Request, StorageStatistics, Writer
 
 __all__ = ["DEFAULT_MAP_SIZE", "DEFAULT_MAX_MAP_SIZE", "Storage"]
@@ -71,7 +72,7 @@ def _current_call_soon() -> tuple[CallSoon, CallSoon]:
     raise RuntimeError(f"unsupported async library {library!r} (use asyncio or trio)")
 
 
-class Storage:
+class Storage(StorageReads):
     """A durable, transactional key-value store over one LMDB environment.
 
     Create it with :meth:`Storage.open`; every method raises
@@ -291,13 +292,6 @@ class Storage:
             log.error("on_deferred_error raised", exc_info=handler_exc)
             self._fail_loudly(handler_exc)
 
-    def _check_pid(self) -> None:
-        if os.getpid() != self._pid:
-            raise UsedAfterFork(
-                f"this storage was opened by process {self._pid}; it cannot be used in "
-                f"process {os.getpid()} (a fork child): open it anew there"
-            )
-
     # -- writes -------------------------------------------------------------
 
     async def write(self, fn: Callable[[WriteTxn, Unpack[Ts]], T], *args: *Ts) -> T:
@@ -402,88 +396,6 @@ class Storage:
         it is False for good (that thread's writes are not counted).
         """
         return self._unsettled == 0 and not self._unsettled_elsewhere
-
-    # -- reads --------------------------------------------------------------
-
-    def read(self, fn: Callable[[ReadTxn, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Run ``fn(rtxn, *args)`` in a short read transaction in this thread.
-
-        Sees the last committed state, never part of a batch (LMDB MVCC), and
-        never waits for the writer, except for the rare map growth (the map
-        is resized while no read transaction is open; a resize takes well under
-        a millisecond). Keep ``fn`` short: a long read pins old pages and
-        delays map growth. Its return value must not be a lazy iterator over
-        the txn (``list(...)`` it).
-
-        Raises:
-            StorageClosed: the storage is closed.
-            UsedAfterFork: called in a forked child.
-            UnknownTable: ``fn`` named an undeclared table.
-        """
-        self._check_pid()
-        with self._gate.shared():
-            if self._closed:
-                raise StorageClosed("the storage is closed")
-            txn = self._env.begin(write=False)
-            rtxn = ReadTxn(txn, self._dbs)
-            try:
-                return fn(rtxn, *args)
-            finally:
-                rtxn._finish()
-                txn.abort()
-
-    def get(self, table: str, key: Key) -> object | None:
-        """Return the decoded value under ``key`` in ``table``, or ``None``.
-
-        Raises:
-            StorageClosed, UsedAfterFork, UnknownTable: see :meth:`read`.
-        """
-        return self.read(ReadTxn.get, table, key)
-
-    def get_raw(self, table: str, key: Key) -> bytes | None:
-        """Return the raw bytes under ``key`` in ``table``, or ``None``.
-
-        Raises:
-            StorageClosed, UsedAfterFork, UnknownTable: see :meth:`read`.
-        """
-        return self.read(ReadTxn.get_raw, table, key)
-
-    def scan(
-        self,
-        table: str,
-        *,
-        prefix: Key = b"",
-        start: Key | None = None,
-        stop: Key | None = None,
-        reverse: bool = False,
-        limit: int | None = None,
-    ) -> list[tuple[bytes, object]]:
-        """Return ``(key, value)`` pairs of a key range; see :meth:`ReadTxn.scan`.
-
-        Raises:
-            StorageClosed, UsedAfterFork, UnknownTable: see :meth:`read`.
-            ValueError: ``limit`` is negative.
-        """
-
-        def scan_txn(txn: ReadTxn) -> list[tuple[bytes, object]]:
-            return list(
-                txn.scan(
-                    table, prefix=prefix, start=start, stop=stop, reverse=reverse, limit=limit
-                )
-            )
-
-        return self.read(scan_txn)
-
-    def journal(
-        self, run_id: Key, after_seq: int = 0, limit: int | None = None
-    ) -> list[tuple[int, object]]:
-        """Return ``run_id``'s journal entries with ``seq > after_seq``, in order.
-
-        Raises:
-            StorageClosed, UsedAfterFork: see :meth:`read`.
-            ValueError: ``run_id`` contains NUL or ``after_seq`` is negative.
-        """
-        return self.read(partial(journal_txn, run_id=run_id, after_seq=after_seq, limit=limit))
 
     # -- introspection -------------------------------------------------------
 

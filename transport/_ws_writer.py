@@ -20,7 +20,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from stepd.actors import Mailbox
 
-from ._uvicorn import WebSocketProtocol
+from ._uvicorn_ws import WebSocketProtocol
 from .protocol import encode_json
 
 __all__ = ["CLOSE_TRY_AGAIN_LATER", "Close", "FrameWriter"]
