@@ -5,8 +5,10 @@ no class holds the whole machine: `_RunBase` (state, journal, budgets,
 endings) <- `_RunSessions` (`_run_sessions.py`: worker sessions) <-
 `_RunSteps` (`_run_steps.py`: entering steps, retries, timers) <-
 `_RunLocal` (`_run_local.py`: local steps' lease plan and records) <-
-`_RunEvents` (`_run_events.py`: one handler per event) <- `RunMachine`
-(`run.py`: creation, queries, the dispatch table, the status view).
+`_RunAttempts` (`_run_attempts.py`: one handler per attempt event: the offer,
+the worker's calls, the lease's news) <- `_RunEvents` (`_run_events.py`: one
+handler per run-level event: signals, ticks, children, cancel, retry) <-
+`RunMachine` (`run.py`: creation, queries, the dispatch table, the status view).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ __all__ = [
 class RunMachine(_RunEvents):
     """One run's logic. Holds the record and the pinned definition; nothing else.
 
-    Its code is layered over four modules (`_run_base`); this one holds
+    Its code is layered over six modules (`_run_base`); this one holds
     creation, the queries, the dispatch and the status view.
     """
 
