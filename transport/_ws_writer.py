@@ -23,7 +23,7 @@ from stepd.actors import Mailbox
 from ._uvicorn import WebSocketProtocol
 from .protocol import encode_json
 
-__all__ = ["CLOSE_TRY_AGAIN_LATER", "Close", "FrameWriter"]
+__all__ = ["CLOSE_TRY_AGAIN_LATER", "Close", "FrameWriter", "Send"]
 
 log = logging.getLogger("stepd.transport.websocket")
 

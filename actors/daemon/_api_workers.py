@@ -264,8 +264,11 @@ class WorkerOps(ApiBase):
         """
         if op is Op.COMPLETE:
             body = dict(body or {})
-            usage, spans = step_usage(body.get("usage"), body.get("spans"), self.config.prices)
-            body["usage"], body["spans"] = usage, spans
+            usage, spans = body.get("usage"), body.get("spans")
+            if usage is not None or spans:
+                body["usage"], body["spans"] = step_usage(usage, spans, self.config.prices)
+            else:  # nothing to price (most steps): what step_usage answers, without it
+                body["usage"] = body["spans"] = None
             if isinstance(body.get("local_steps"), list):
                 # Each local body's usage and spans are priced as a complete's are
                 # (docs/affinity.md "Local steps"), before anything is applied.
