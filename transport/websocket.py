@@ -401,7 +401,7 @@ class WorkerConnection(LeaseCalls):
         frame)`` or ``("answer", None, error frame)``."""
         try:
             frame = self._decode(item)
-            if not isinstance(frame, dict):
+            if type(frame) is not dict:  # msgpack and JSON decode to exact dicts
                 raise Invalid("a frame must be a map with an 'op'")
         except Invalid as exc:
             return "answer", None, error_frame(None, exc)

@@ -372,4 +372,6 @@ def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:
         actor.cancel_timer("due")
         return
     clock = s.clock
-    actor.arm_timer("due", clock.now() + max(0, due_ms - clock.time_ms()) / 1000.0, Due())
+    at = clock.now()
+    delay = due_ms - clock.time_ms()
+    actor.arm_timer("due", at + delay / 1000.0 if delay > 0 else at, Due())

@@ -159,7 +159,7 @@ class SessionActor(Actor):
     async def _take_slot(self, message: TakeSlot) -> OfferAs | None:
         # The slot's run asks, in its own turn (`ask_now`): it makes the lease
         # itself, so the `Offer` is answered as whom, not performed.
-        actions = self.machine.slot(message.spec, message.claim, self.s.clock.time_ms())
+        actions = self.machine.slot(message.spec, message.claim, message.now)
         if len(actions) == 1 and type(actions[0]) is Offer:
             # No re-arm: a slot in hand only ever removes the idle expiry, and
             # the `Offered` that follows arms what is due.
@@ -169,9 +169,11 @@ class SessionActor(Actor):
         return None
 
     async def _offered(self, message: Offered) -> None:
-        now = self.s.clock.time_ms()
+        now = message.now
         if message.ended is not None:  # the worker's last lease, ended by its own call
-            await self._perform(self.machine.lease_ended(message.ended, None, now))
+            ended = self.machine.lease_ended(message.ended, None, now)
+            if ended:  # nothing, but for a cancel (never on this path): no call
+                await self._perform(ended)
         await self._perform(self.machine.offered(message.spec, message.lease, now))
         self._arm()
 

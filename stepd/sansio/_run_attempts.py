@@ -11,7 +11,7 @@ cancel, retry) are `_run_events`'. See `_run_base` for the layers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._run_base import (
     END,
@@ -68,7 +68,10 @@ class _RunAttempts(_RunLocal):
             raise Fenced(f"worker {ev.worker_id} answered unservable for slot "
                          f"{slot_key(ev.step_id, ev.item_index)}")
         step = self.definition.step(f.step_id)
-        session = self._check_holder(getattr(step, "session", None), ev.worker_id)
+        if TYPE_CHECKING:  # a slot's step: only these are offered (no isinstance per offer)
+            assert isinstance(step, (TaskStep, ForEachStep))
+        name = step.session
+        session = None if name is None else self._check_holder(name, ev.worker_id)
         tr = Transition()
         key = slot_key(ev.step_id, ev.item_index)
         fence = self.record.fences.get(key, 0) + 1
@@ -164,7 +167,9 @@ class _RunAttempts(_RunLocal):
             return tr  # a repeated `started` changes nothing
         step = self.definition.step(f.step_id)
         slot.phase = SlotPhase.STARTED
-        timeout = getattr(step, "timeout_ms", None)
+        if TYPE_CHECKING:  # a slot's step (no isinstance per attempt)
+            assert isinstance(step, (TaskStep, ForEachStep))
+        timeout = step.timeout_ms
         slot.timeout_at = None if timeout is None else now + timeout
         self._journal(
             tr, now, "step_started", step_id=ev.step_id, item_index=ev.item_index,
@@ -220,7 +225,9 @@ class _RunAttempts(_RunLocal):
             spans=list(ev.spans) if ev.spans else None,
         )
         slot.phase = SlotPhase.DONE
-        if isinstance(step, TaskStep):  # is_task, narrowed for the type checker
+        if is_task:
+            if TYPE_CHECKING:  # narrowed for the type checker (no isinstance per step)
+                assert isinstance(step, TaskStep)
             tr.journal[-1]["output"] = ev.output  # even null: see `_finish_step`
             f.slots.remove(slot)
             nxt = self._finish_step(
