@@ -105,7 +105,7 @@ class LeaseCalls(FrameWriter):
         # may send `complete` right behind `started` without waiting for its answer.
         # Only ids as short as a lease id are tracked: a longer one names no
         # lease (answered 404) and is not kept while its answer waits for room.
-        lease_id = frame.get("lease_id")
+        lease_id = frame["lease_id"] if "lease_id" in frame else None  # noqa: SIM401 - no call
         key = lease_id if type(lease_id) is str and len(lease_id) <= _MAX_LEASE_ID else None
         ticket, after = self._order.arrive(key)
         before = None
@@ -164,7 +164,7 @@ class LeaseCalls(FrameWriter):
             try:
                 # docs/affinity.md: session calls name their session, lease calls their lease.
                 name, other = _TARGET_KEYS[op]
-                target = frame.get(name)
+                target = frame[name] if name in frame else None  # noqa: SIM401 - no call
                 if type(target) is str:
                     # The frame minus its envelope is the body: the decoded frame is this
                     # call's own, so it is trimmed in place (no copy, no comprehension).

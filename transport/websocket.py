@@ -405,8 +405,9 @@ class WorkerConnection(LeaseCalls):
                 raise Invalid("a frame must be a map with an 'op'")
         except Invalid as exc:
             return "answer", None, error_frame(None, exc)
-        op = frame.get("op")
-        frame_id = frame.get("id")
+        # Subscripts behind `in`, not `get`: no call (two frames a step).
+        op = frame["op"] if "op" in frame else None
+        frame_id = frame["id"] if "id" in frame else None
         # `type(x) is int`: `is_frame_id` without its call (msgpack and JSON give exact ints).
         if op == "credit" and (frame_id is None or type(frame_id) is int):  # its id is optional
             return "credit", None, frame

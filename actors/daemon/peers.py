@@ -138,7 +138,9 @@ def route_now(s: Services, spec: Any) -> tuple[str, int | None] | None:
     """Which session takes `spec` now, counted as handed to it by the registry
     (`Route`, in the caller's turn); None: nobody now, or the registry is busy."""
     try:
-        routed: tuple[str, int | None] | None = fixed(s, "/registry").ask_now(Route(spec))
+        # `fixed`'s cache read here: its call only when the ref is not cached yet.
+        ref = s.fixed_refs.get("/registry") or fixed(s, "/registry")
+        routed: tuple[str, int | None] | None = ref.ask_now(Route(spec))
         return routed
     except _GONE:
         return None
@@ -237,8 +239,8 @@ def start_lease(s: Services, record: Any, *, fresh: bool = True) -> None:
     try:
         # A new lease's actor is handed its record: its on_start loads nothing,
         # so nobody waits for the startup handshake.
-        leases = fixed(s, "/leases")
-        if not isinstance(leases, SupervisorRef):
+        leases = s.fixed_refs.get("/leases") or fixed(s, "/leases")  # `fixed`, cached
+        if type(leases) is not SupervisorRef and not isinstance(leases, SupervisorRef):
             leases = s.system.supervisor("/leases")
         leases.start_child_nowait(s.lease_spec(record, fresh))
     except ChildExists:

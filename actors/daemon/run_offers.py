@@ -89,7 +89,8 @@ class RunOffers(RunWrites):
             return False
         ahead = self._offer_ahead(tr)
         if ahead:
-            leases = extra["leases"] = list(extra.get("leases", ()))
+            # A copy (the caller's list stays its own), without `list` and `get` calls.
+            leases = extra["leases"] = [*extra["leases"]] if "leases" in extra else []
             for offer in ahead:
                 leases.append(offer[3].to_dict())
         w = self._write(tr, **extra)
@@ -118,7 +119,10 @@ class RunOffers(RunWrites):
                 for other in effects:  # `_withdraws`, written out (a step each)
                     if type(other) is Withdraw:
                         return ahead  # the step moved on in the same transition
-                now = self.s.clock.time_ms()  # this turn's, for the sessions too
+                # This turn's time: the event that made the slot runnable was handled
+                # at it, in this turn (`RunMachine.handle` sets `updated_at`), and the
+                # session takes it as its own (`TakeSlot`): no clock read.
+                now = self.machine.record.updated_at
                 left = []
                 moved = False
                 for spec in effect.attempts:

@@ -160,7 +160,7 @@ class SessionActor(Actor):
         # The slot's run asks, in its own turn (`ask_now`): it makes the lease
         # itself, so the `Offer` is answered as whom, not performed.
         actions = self.machine.slot(message.spec, message.claim, message.now)
-        if len(actions) == 1 and type(actions[0]) is Offer:
+        if actions and type(actions[0]) is Offer and not actions[1:]:  # one Offer: no `len`
             # No re-arm: a slot in hand only ever removes the idle expiry, and
             # the `Offered` that follows arms what is due.
             return OfferAs(self.worker_id, self.name, self.local_steps, self.sticky)
