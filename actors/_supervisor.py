@@ -312,13 +312,14 @@ class Supervisor(Actor):
         child.removed = True
         children = self._children
         child_id = child.spec.id
-        if children.get(child_id) is child:
+        if child_id in children and children[child_id] is child:  # no `get` call (a lease a step)
             del children[child_id]
         child.retired = True  # `child.retire()`, inlined (one per lease)
         child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
-        if registry.get(child.path) is child:
-            del registry[child.path]
+        path = child.path
+        if path in registry and registry[path] is child:
+            del registry[path]
         runtime = child.runtime
         if runtime is not None and runtime.done:
             runtime.release()

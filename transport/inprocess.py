@@ -86,7 +86,8 @@ class InProcess:
         """A worker's ``started``, ``heartbeat``, ``complete`` or ``fail``, by name.
 
         What `_call` does, without a cancel scope (the module says why) and in one
-        frame: the worker's runner awaits this once per step (`stepd.channels.inprocess`).
+        frame over `Protocol.lease_call` (one frame too): the worker's runner awaits
+        this once per step (`stepd.channels.inprocess`).
 
         Raises:
             KeyError: ``op`` is not one of the four.
@@ -94,14 +95,14 @@ class InProcess:
         operation = _UNSCOPED[op]
         protocol = self.protocol
         try:
-            principal = protocol.authorize(operation, self.authorization)
+            protocol.authorize(operation, self.authorization)  # its scope; nothing audited
         except Forbidden as exc:
             await protocol.refused(operation, exc, lease_id)
             raise
         protocol.call_begins()
         try:
-            reply = await protocol.call(operation, principal, target=lease_id,
-                                        body=NO_BODY if body is None else copy_in(body))
+            reply = await protocol.lease_call(operation, lease_id,
+                                              NO_BODY if body is None else copy_in(body), None)
         finally:
             protocol.call_ends()
         answer = reply.body

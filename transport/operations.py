@@ -51,8 +51,8 @@ from ._validate import (
 from .auth import Need
 from .replies import Reply
 
-__all__ = ["LONG_POLLS", "SPECS", "WORKER_OPERATIONS", "Context", "Operation", "OperationSpec",
-           "Request"]
+__all__ = ["LEASE_CALLS", "LONG_POLLS", "SPECS", "WORKER_OPERATIONS", "Context", "Operation",
+           "OperationSpec", "Request"]
 
 
 class Operation(IdentityEnum):
@@ -162,6 +162,18 @@ async def _claim(p: Context, r: Request) -> Reply:
     leases = await p.daemon.claim(args["worker_id"], max=args["max"], wait_ms=args["wait_ms"],
                                   run_id=args["run_id"])
     return Reply(200, {"leases": leases})
+
+
+LEASE_CALLS: Final[Mapping[Operation, tuple[Op, Callable[[Any], dict[str, Any]]]]] = {
+    Operation.STARTED: (Op.STARTED, parse_started),
+    Operation.HEARTBEAT: (Op.HEARTBEAT, parse_heartbeat),
+    Operation.COMPLETE: (Op.COMPLETE, parse_complete),
+    Operation.FAIL: (Op.FAIL, parse_fail),
+}
+"""The worker's four calls on a lease: the lease operation each is, and its body's parser.
+
+Their rows of `SPECS` run these; `Protocol.lease_call` runs them in one frame
+(every step awaits one of them)."""
 
 
 def _lease_op(op: Op, parse: Callable[[Any], dict[str, Any]]) -> Handler:
@@ -407,12 +419,13 @@ SPECS: Final[Mapping[Operation, OperationSpec]] = {
     Operation.REGISTER: OperationSpec(_W, None, None, "required", _register),
     Operation.CLAIM: OperationSpec(_W, None, None, "required", _claim),
     Operation.STARTED: OperationSpec(_W, None, "lease", "optional",
-                                     _lease_op(Op.STARTED, parse_started)),
+                                     _lease_op(*LEASE_CALLS[Operation.STARTED])),
     Operation.HEARTBEAT: OperationSpec(_W, None, "lease", "optional",
-                                       _lease_op(Op.HEARTBEAT, parse_heartbeat)),
+                                       _lease_op(*LEASE_CALLS[Operation.HEARTBEAT])),
     Operation.COMPLETE: OperationSpec(_W, None, "lease", "required",
-                                      _lease_op(Op.COMPLETE, parse_complete)),
-    Operation.FAIL: OperationSpec(_W, None, "lease", "required", _lease_op(Op.FAIL, parse_fail)),
+                                      _lease_op(*LEASE_CALLS[Operation.COMPLETE])),
+    Operation.FAIL: OperationSpec(_W, None, "lease", "required",
+                                  _lease_op(*LEASE_CALLS[Operation.FAIL])),
     Operation.HISTORY: OperationSpec(_W, None, "lease", "optional", _history),
     Operation.SESSION_RENEW: OperationSpec(_W, None, "session", "optional", _session_renew),
     Operation.SESSION_CLOSE: OperationSpec(_W, None, "session", "optional", _session_close),

@@ -25,19 +25,17 @@ What `Protocol.call` does, per call:
 
 `Protocol.handle` is `call` with every `StepdError` mapped to an HTTP status
 and body (`replies.error_reply`); the in-process adapter uses `call` and gets
-the exceptions.
+the exceptions. A worker's calls on a lease (`operations.LEASE_CALLS`: one a
+step) have their own one-frame `lease_call` and `handle_lease`, which do
+exactly what `call` does for those rows.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
-from types import TracebackType
+from collections.abc import Callable, Mapping
 from typing import Any
-
-import anyio
 
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.actors.daemon import Daemon
@@ -46,6 +44,7 @@ from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
 from stepd.sansio.run import iso_ms
 from stepd.storage import StorageClosed
 
+from ._drain import Drain
 from ._json import copy_json, decode_json, encode_json
 from ._validate import (
     MAX_CLAIM,
@@ -60,6 +59,7 @@ from ._validate import (
 from .auth import Forbidden, KeyRing, Principal, Unauthorized, is_loopback_host
 from .metrics import DaemonMetrics, Registry, daemon_metrics, trace_export_metrics
 from .operations import (
+    LEASE_CALLS,
     LONG_POLLS,
     SPECS,
     WORKER_OPERATIONS,
@@ -101,10 +101,11 @@ __all__ = [
 log = logging.getLogger("stepd.transport")
 
 
-class Protocol:
-    """The protocol handler: validation, calls into the daemon, error mapping, audit, drain.
+class Protocol(Drain):
+    """The protocol handler: validation, calls into the daemon, error mapping, audit.
 
-    One per daemon; every transport holds the same one.
+    One per daemon; every transport holds the same one. What it has in flight,
+    and its drain, are `Drain`'s (`_drain.py`).
 
     Attributes:
         daemon: the daemon's API it drives.
@@ -134,16 +135,7 @@ class Protocol:
         self.registry = registry if registry is not None else Registry()
         self.metrics: DaemonMetrics = daemon_metrics(self.registry)
         self.max_body_bytes = max_body_bytes
-        self.draining = False
-        self._inflight = 0
-        # Made only by wait_quiet (shutdown) while calls are in flight: an
-        # Event per call going from idle to busy cost more than the call's
-        # bookkeeping.
-        self._idle: anyio.Event | None = None
-        self._polls: set[anyio.CancelScope] = set()
-        self._calls: set[anyio.CancelScope] = set()
-        self._aborted = False
-        self._connections: set[Any] = set()  # WorkerConnection: close_for_shutdown(), abort()
+        super().__init__()  # nothing in flight, not draining
         self._batches_seen: tuple[int, ...] = ()  # storage batch-size buckets already observed
         self.metrics.runs_by_status.set_function(lambda: self._runs_by_status)
         trace = daemon.services.trace
@@ -305,6 +297,46 @@ class Protocol:
                           bounded(target) if isinstance(target, str) else target)
             return error_reply(exc)
 
+    # A step awaits one worker call on a lease (its `complete`): `call` spent a frame
+    # of its own, its row's handler another and a `Request` on it, and each frame is
+    # resumed once more when the commit the call waits for is done. Those rows take
+    # a lease id, keep no audit entry and never hold the call open, so what `call`
+    # does for them is the four lines below; the next two methods are that, in one
+    # frame. `call` runs the same rows (`LEASE_CALLS`) for HTTP.
+
+    async def lease_call(self, op: Operation, target: str, body: Any,
+                         worker_id: str | None) -> Reply:
+        """`call` for a worker's call on a lease (an operation of `LEASE_CALLS`), in one frame.
+
+        Raises:
+            StepdError: as `call` (404 for a malformed lease id, 503 while draining).
+        """
+        if self.draining:
+            raise Unavailable("the daemon is shutting down")
+        if not is_lease_id(target):
+            raise NotFound(f"lease {target!r} not found")
+        lease_op, parse = LEASE_CALLS[op]
+        # `Daemon.lease_call` answers a dict of its own: no copy.
+        return Reply(200, await self.daemon.lease_call(target, lease_op, parse(body),
+                                                       caller=worker_id))
+
+    async def handle_lease(self, op: Operation, target: str, body: Any,
+                           worker_id: str | None) -> Reply:
+        """`handle` for a worker's call on a lease: `lease_call` with every error mapped."""
+        try:
+            if self.draining:
+                raise Unavailable("the daemon is shutting down")
+            if not is_lease_id(target):
+                raise NotFound(f"lease {target!r} not found")
+            lease_op, parse = LEASE_CALLS[op]
+            return Reply(200, await self.daemon.lease_call(target, lease_op, parse(body),
+                                                           caller=worker_id))
+        except (StepdError, StorageClosed) as exc:
+            return error_reply(exc)
+        except Exception as exc:
+            log.exception("%s failed (target %r): answered 500", op.value, bounded(target))
+            return error_reply(exc)
+
     async def workers(self) -> list[dict[str, Any]]:
         """GET /v1/api/workers as the API answers it (connected first)."""
         out = await self.daemon.workers()
@@ -343,118 +375,6 @@ class Protocol:
         except StorageClosed:
             log.warning("audit entry dropped: the storage is closed (%s %s)", entry.action,
                         entry.target)
-
-    # ------------------------------------------------------------------ drain
-
-    def tracking(self) -> _Tracking:
-        """Count one call in flight for the duration; `abort` cancels its scope.
-
-        Shutdown waits for the calls in flight (`wait_quiet`); once the grace
-        period is over it cancels them (`abort`): the transport then answers
-        503 if it still can (a write already submitted still commits).
-
-        ``with protocol.tracking() as scope:`` (an HTTP or in-process call).
-        """
-        return _Tracking(self)
-
-    def call_begins(self) -> None:
-        """`tracking` without a cancel scope or a context manager: counted, not cancelled
-        by `abort`; pair it with `call_ends` in a ``finally``.
-
-        For calls that `abort` reaches another way: a WebSocket frame's call
-        runs in its connection's task group, which `abort` cancels as a whole
-        (`WorkerConnection.abort`). That spares two cancel scopes per step, and
-        three calls against a context manager.
-        """
-        self._inflight += 1
-
-    def call_ends(self) -> None:
-        """The call `call_begins` counted is over (`_call_done`, written out: once per step)."""
-        self._inflight -= 1
-        if self._inflight == 0 and self._idle is not None:
-            self._idle.set()
-            self._idle = None
-
-    def _call_done(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0 and self._idle is not None:
-            self._idle.set()
-            self._idle = None
-
-    @property
-    def inflight(self) -> int:
-        """Calls in flight (HTTP requests and WebSocket frames being answered)."""
-        return self._inflight
-
-    @contextlib.contextmanager
-    def long_poll(self) -> Iterator[anyio.CancelScope]:
-        """A cancel scope `begin_drain` cancels: long-polls end at once when the daemon drains."""
-        scope = anyio.CancelScope()
-        if self.draining:
-            scope.cancel()
-        self._polls.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._polls.discard(scope)
-
-    def add_connection(self, conn: Any) -> None:
-        """A WebSocket connection the drain must close (``close_for_shutdown()``, ``abort()``)."""
-        self._connections.add(conn)
-
-    def remove_connection(self, conn: Any) -> None:
-        self._connections.discard(conn)
-
-    def begin_drain(self) -> None:
-        """Shutdown stages 1 and 2 (STYLE.md rule 22): refuse new calls, stop handing out leases.
-
-        Every new call answers 503; the daemon stops offering leases; held
-        long-polls end (503); every WebSocket stops reading and pushing and
-        closes with 1001 once its in-flight frames are answered. Idempotent.
-        """
-        if self.draining:
-            return
-        self.draining = True
-        self.daemon.begin_drain()
-        for scope in list(self._polls):
-            scope.cancel()
-        for conn in list(self._connections):
-            conn.close_for_shutdown()
-
-    async def wait_quiet(self) -> None:
-        """Wait until no call is in flight and every WebSocket has closed."""
-        while True:
-            if self._inflight:
-                if self._idle is None:
-                    self._idle = anyio.Event()
-                await self._idle.wait()
-            if not self._connections:
-                return
-            await anyio.sleep(0.005)
-
-    def abort(self) -> None:
-        """The grace period is over: cancel every call in flight and every WebSocket."""
-        self._aborted = True
-        for scope in list(self._calls):
-            scope.cancel()
-        for conn in list(self._connections):
-            conn.abort()
-
-    async def drain(self, grace_s: float) -> bool:
-        """`begin_drain`; wait for calls in flight at most ``grace_s``; then `abort` the rest.
-
-        Returns:
-            True when everything in flight finished within the grace period.
-        """
-        self.begin_drain()
-        with anyio.move_on_after(grace_s):
-            await self.wait_quiet()
-            return True
-        self.abort()
-        with anyio.move_on_after(1.0):
-            await self.wait_quiet()
-        return False
 
     # ------------------------------------------------------------------ metrics
 
@@ -509,38 +429,3 @@ def _drain_into(samples: list[float], observe: Callable[[float], None]) -> None:
         if isinstance(value, (int, float)) and math.isfinite(value):
             observe(max(0.0, float(value)))
     del samples[:n]
-
-
-class _Tracking:
-    """`Protocol.tracking`'s context manager: a class, not a generator context
-    manager (which costs four more calls, on every HTTP and in-process call)."""
-
-    __slots__ = ("protocol", "scope")
-
-    def __init__(self, protocol: Protocol) -> None:
-        self.protocol = protocol
-        self.scope = anyio.CancelScope()
-
-    def __enter__(self) -> anyio.CancelScope:
-        protocol, scope = self.protocol, self.scope
-        protocol._inflight += 1
-        if protocol._aborted:
-            scope.cancel()
-        protocol._calls.add(scope)
-        try:
-            scope.__enter__()
-        except BaseException:
-            self._done()
-            raise
-        return scope
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
-        try:
-            return bool(self.scope.__exit__(exc_type, exc, tb))
-        finally:
-            self._done()
-
-    def _done(self) -> None:
-        self.protocol._calls.discard(self.scope)
-        self.protocol._call_done()

@@ -35,12 +35,13 @@ Per connection (all its tasks in one task group, STYLE.md rule 7):
   ``complete`` does not hold up the heartbeats of other leases), answered by
   a pool of handler tasks that park when idle (started as load needs them,
   never more than ``max_in_flight``), in arrival order per lease
-  (`FrameOrder`). A frame that must wait (a ``register``, which attaches the
-  connection to its worker's session actor, so the frames behind it wait for
-  it; a call past ``max_in_flight``; an answer with no room) goes to the
-  reader task instead, in order, and reading pauses until it is through (TCP
-  pushes back on the worker). Under another ASGI server the reader task
-  takes every frame from ASGI ``receive``, the same way;
+  (`FrameOrder`; the pool is `_ws_calls.LeaseCalls`). A frame that must wait
+  (a ``register``, which attaches the connection to its worker's session
+  actor, so the frames behind it wait for it; a call past ``max_in_flight``;
+  an answer with no room) goes to the reader task instead, in order, and
+  reading pauses until it is through (TCP pushes back on the worker). Under
+  another ASGI server the reader task takes every frame from ASGI
+  ``receive``, the same way;
 * no pusher: the worker's session actor (`stepd.actors.daemon.session`) turns
   each credit into a lease the moment work appears and queues it here (this
   connection is its `Outbox`); leases pass the frame bound, their credit
@@ -76,7 +77,6 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from contextvars import ContextVar
 from typing import Any, Final
 
 import anyio
@@ -85,14 +85,13 @@ import msgpack  # type: ignore[import-untyped]
 from stepd.actors import Waiter
 from stepd.actors.daemon import Connection
 from stepd.sansio.errors import Invalid, NotFound, StepdError, Unavailable
-from stepd.sansio.session import FrameOrder
 
 from ._json import check_json
 from ._uvicorn import WIRE_EXTENSION, WebSocketProtocol
 from ._validate import check_int
+from ._ws_calls import LEASE_OPS, LeaseCalls
 from ._ws_frames import answer_frame, error_frame, is_frame_id, msgpack_problem
-from ._ws_slots import Slots as _Slots
-from ._ws_writer import Close, FrameWriter
+from ._ws_writer import Close
 from .auth import Forbidden, Principal, Unauthorized
 from .protocol import (
     CrossSite,
@@ -117,19 +116,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_LEASE_OPS: Final = {
-    "started": Operation.STARTED,
-    "heartbeat": Operation.HEARTBEAT,
-    "complete": Operation.COMPLETE,
-    "fail": Operation.FAIL,
-    "history": Operation.HISTORY,
-    "session_renew": Operation.SESSION_RENEW, "session_close": Operation.SESSION_CLOSE,
-}
-_TARGET_KEYS: Final = {
-    op: (("session_id", "lease_id") if op.text.startswith("session_") else ("lease_id", "session_id"))
-    for op in _LEASE_OPS.values()}
-"""Per call: the envelope key naming its target, and the other one (both left out of its body)."""
-_MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 _CREDIT_KEYS: Final = frozenset({"op", "id", "n"})
 
 CLOSE_GOING_AWAY: Final = 1001
@@ -215,22 +201,12 @@ async def _reject(scope: Scope, send: Send, status: int, body: dict[str, Any],
         await send({"type": "websocket.close", "code": 1008})
 
 
-# Leases this connection's session offers while one of its calls is handled in the
-# same task are queued only after that call's answer. The next step is offered
-# inside the run's turn, i.e. inside the `complete` call of the step before it
-# (docs/architecture.md "A step over the WebSocket"). Without this, the worker
-# would read the next `lease` before the `ok` of its `complete`; PROTOCOL.md
-# promises no order, but every worker written before the in-turn offer saw the
-# answer first, and a simple client that reads its answer as the next frame would
-# break. A context variable (a task's own) holds the call's list: the connection at
-# index 0 (None once the call is over, so a task that copied the context during
-# the call holds nothing after it), then the leases held. A list, not an object:
-# no constructor call per frame.
-_HELD: ContextVar[list[Any] | None] = ContextVar("stepd_ws_held", default=None)
+class WorkerConnection(LeaseCalls):
+    """One worker WebSocket, from accept to close: its lifecycle, its reading, its
+    register and credit frames, and its attachment to its worker's session.
 
-
-class WorkerConnection(FrameWriter):
-    """One worker WebSocket, from accept to close.
+    Its lease calls in flight are `LeaseCalls`' (`_ws_calls.py`), its sending
+    side `FrameWriter`'s (`_ws_writer.py`).
 
     Attributes:
         worker_id: the worker registered on this connection (None before ``register``).
@@ -245,7 +221,8 @@ class WorkerConnection(FrameWriter):
         self.principal = principal
         self.subprotocol = subprotocol
         self.worker_id: str | None = None
-        super().__init__(binary=subprotocol == MSGPACK_SUBPROTOCOL, send=send, wire=wire,
+        super().__init__(max_in_flight=sockets.max_in_flight,
+                         binary=subprotocol == MSGPACK_SUBPROTOCOL, send=send, wire=wire,
                          max_queue=sockets.max_queue, max_queue_bytes=sockets.max_queue_bytes)
         self._receive = receive
         # `self._wire`: stepd's own uvicorn protocol (`stepd serve`): frames come
@@ -255,28 +232,11 @@ class WorkerConnection(FrameWriter):
         self._inbox_wake: Waiter | None = None
         self._inbox_busy = False  # the reader is inside a frame from the inbox
         self._reading = True
-        self._limit = _Slots(sockets.max_in_flight)
-        # Frames of one lease are applied in arrival order (the session machine's
-        # FrameOrder numbers them); the waits are here: a Waiter per frame in flight.
-        self._order = FrameOrder()
-        # Only frames a later frame of their lease waits for have one (made by that frame).
-        self._in_flight: dict[int, Waiter] = {}
         # The attachment to this worker's session actor (`Daemon.attach`): the
         # session pushes leases and cancels here (this connection is its Outbox).
         self._attached: Connection | None = None
         self._read_scope = anyio.CancelScope()
         self._scope = anyio.CancelScope()
-        self._handlers: anyio.abc.TaskGroup | None = None
-        # Lease frames are answered by a pool of handler tasks that park when
-        # idle (at most max_in_flight of them, started as load needs them),
-        # not by a task each: an anyio task spawn (a task, a cancel scope, an
-        # event) per frame was two per step. `_limit` still bounds the frames
-        # in flight; the pool ends once reading has (`_close_pool`).
-        self._calls: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._parked: list[Waiter] = []
-        self._pool_size = 0
-        self._pool_closing = False
-        self._peer_gone = False
         self._close = Close(CLOSE_GOING_AWAY, "the daemon is shutting down")
         self._max_bytes = self.protocol.max_body_bytes + 4096  # the frame's envelope
 
@@ -441,16 +401,17 @@ class WorkerConnection(FrameWriter):
         frame)`` or ``("answer", None, error frame)``."""
         try:
             frame = self._decode(item)
-            if not isinstance(frame, dict):
+            if type(frame) is not dict:  # msgpack and JSON decode to exact dicts
                 raise Invalid("a frame must be a map with an 'op'")
         except Invalid as exc:
             return "answer", None, error_frame(None, exc)
-        op = frame.get("op")
-        frame_id = frame.get("id")
+        # Subscripts behind `in`, not `get`: no call (two frames a step).
+        op = frame["op"] if "op" in frame else None
+        frame_id = frame["id"] if "id" in frame else None
         # `type(x) is int`: `is_frame_id` without its call (msgpack and JSON give exact ints).
         if op == "credit" and (frame_id is None or type(frame_id) is int):  # its id is optional
             return "credit", None, frame
-        if op not in _LEASE_OPS and op not in ("register", "credit"):
+        if op not in LEASE_OPS and op not in ("register", "credit"):
             return "answer", None, error_frame(frame_id, Invalid(
                 "must be register, credit, a lease call or a session call", field="op"))
         if type(frame_id) is not int:
@@ -495,59 +456,6 @@ class WorkerConnection(FrameWriter):
             self._start_call(frame_id, value)
         return True
 
-    def _start_call(self, frame_id: int, frame: dict[str, Any]) -> None:
-        """Hand a lease frame (its in-flight slot taken) to the handler pool."""
-        assert self._handlers is not None
-        # Frames of one lease are applied in the order they arrived, so a worker
-        # may send `complete` right behind `started` without waiting for its answer.
-        # Only ids as short as a lease id are tracked: a longer one names no
-        # lease (answered 404) and is not kept while its answer waits for room.
-        lease_id = frame.get("lease_id")
-        key = lease_id if type(lease_id) is str and len(lease_id) <= _MAX_LEASE_ID else None
-        ticket, after = self._order.arrive(key)
-        before = None
-        if after is not None:  # `after` is still in flight: it sets this when it is done
-            before = self._in_flight.get(after)
-            if before is None:
-                before = self._in_flight[after] = Waiter()
-        self._calls.append((frame_id, _LEASE_OPS[frame["op"]], frame, before, key, ticket))
-        if self._parked:
-            self._parked.pop().set()
-        else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
-            self._pool_size += 1
-            self._handlers.start_soon(self._handler_loop)
-
-    async def _handler_loop(self) -> None:
-        """One handler of the pool: answer queued lease frames; park when there are none.
-
-        A frame waits only for frames of its lease queued before it, which
-        other handlers took first (FIFO), so the pool cannot deadlock.
-        """
-        calls = self._calls
-        try:
-            while True:
-                if calls:
-                    await self._lease_call(*calls.popleft())
-                    continue
-                if self._pool_closing:
-                    return
-                waiter = Waiter()
-                self._parked.append(waiter)
-                try:
-                    await waiter.wait()
-                finally:
-                    if not waiter.is_set():
-                        self._parked.remove(waiter)
-        finally:
-            self._pool_size -= 1
-
-    def _close_pool(self) -> None:
-        """Reading is over: handlers finish the queued frames, then end."""
-        self._pool_closing = True
-        parked, self._parked = self._parked, []
-        for waiter in parked:
-            waiter.set()
-
     # -- requests ---------------------------------------------------------------------
 
     async def _register(self, frame_id: int, frame: dict[str, Any]) -> None:
@@ -576,52 +484,6 @@ class WorkerConnection(FrameWriter):
             return error_frame(frame_id, exc)
         return {"op": "ok", "id": frame_id} if is_frame_id(frame_id) else None
 
-    async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
-                          before: Waiter | None, key: str | None, ticket: int) -> None:
-        assert frame is not None
-        protocol = self.protocol
-        try:
-            if before is not None:
-                await before.wait()  # the lease's previous frame is applied first
-            protocol.call_begins()  # counted for the drain; abort() cancels the whole connection
-            held: list[Any] = [self]  # `_HELD`
-            token = _HELD.set(held)
-            try:
-                # docs/affinity.md: session calls name their session, lease calls their lease.
-                name, other = _TARGET_KEYS[op]
-                target = frame.get(name)
-                if type(target) is str:
-                    # The frame minus its envelope is the body: the decoded frame is this
-                    # call's own, so it is trimmed in place (no copy, no comprehension).
-                    body: dict[str, Any] | None = frame
-                    del frame["op"], frame["id"], frame[name]
-                    if other in frame:
-                        del frame[other]
-                    frame = None  # not kept while the answer waits for room in the queue
-                    # The connection's worker: another worker's lease is unknown here.
-                    reply = await protocol.handle(op, self.principal, target=target, body=body,
-                                                  worker_id=self.worker_id or "")
-                    body = None
-                else:
-                    frame = None
-                    reply = error_reply(Invalid(f"must be the {name[:-3]} id (a string)",
-                                                field=name))
-                await self._push(answer_frame(frame_id, reply))
-            finally:
-                protocol.call_ends()
-                held[0] = None  # over: a task that copied the context holds nothing more
-                _HELD.reset(token)
-                for lease in held[1:]:  # after the answer: see `_HELD`
-                    self._queue_lease(lease)
-        finally:
-            in_flight = self._in_flight
-            if ticket in in_flight:  # a later frame of this lease waits for this one
-                waiter = in_flight[ticket]
-                del in_flight[ticket]
-                waiter.set()
-            self._order.done(key, ticket)
-            self._limit.release()
-
     # -- the push session ---------------------------------------------------------------
 
     async def _attach(self, worker_id: str) -> None:
@@ -643,29 +505,7 @@ class WorkerConnection(FrameWriter):
         if attached is not None:
             attached.detach()  # unoffered slots and credit go back
 
-    # -- the session's outbox (`stepd.actors.daemon.session.Outbox`) ---------------------
-
-    def lease(self, lease: dict[str, Any]) -> bool:
-        """Queue a lease (its credit bounds how many wait); False when the connection ends."""
-        held = _HELD.get()
-        if held is not None and held[0] is self:
-            held.append(lease)
-            return True
-        return self._queue_lease(lease)
-
-    def _queue_lease(self, lease: dict[str, Any]) -> bool:
-        if self._pool_closing or self._peer_gone:
-            return False
-        message, size = self._encode({"op": "lease", "lease": lease})
-        if self._out_bytes and self._out_bytes + size > self._max_out_bytes:
-            self._overflow()
-            return False
-        try:
-            self._out.send_beyond((message, size))
-        except anyio.ClosedResourceError:
-            return False
-        self._out_bytes += size
-        return True
+    # -- the session's outbox (`stepd.actors.daemon.session.Outbox`; its leases: `LeaseCalls`)
 
     def cancel(self, lease_id: str, reason: str) -> None:
         """Tell the worker to stop a body; dropped when the queue is full (the heartbeat's

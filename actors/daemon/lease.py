@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from stepd.actors import Actor
-from stepd.sansio.capabilities import WorkerCapabilities, check_completion, gated
+from stepd.sansio.capabilities import GATED_FIELDS, WorkerCapabilities, check_completion
 from stepd.sansio.errors import (
     AlreadyApplied,
     Conflict,
@@ -70,6 +70,11 @@ from .messages import (
 )
 from .services import Services
 from .sticky import claim_of, sticky_identity
+
+COMPLETE_FIELDS: tuple[str, ...] = (
+    "output", "state_patch", "usage", "spans", "started", *GATED_FIELDS)
+"""Every field a complete's body may hold: `LeaseCall.body` holds each of them (None when
+not sent), so `LeaseActor._call` reads them by subscript."""
 
 CONFLICTS: dict[str, type[Conflict]] = {
     "already_applied": AlreadyApplied,
@@ -170,53 +175,53 @@ class LeaseActor(Actor):
     async def _call(self, call: LeaseCall) -> dict[str, Any]:
         m = self.machine
         rec = m.record
+        op = call.op
         if call.caller is not None and call.caller != rec.worker_id:
             # Another worker's connection: as if the lease did not exist, so a
             # hostile worker can neither end it nor learn that it exists.
             raise NotFound(f"lease {rec.lease_id!r} not found")
-        reason = reject_reason(rec, call.op, run_terminal=False, current_fence=None)
+        reason = reject_reason(rec, op, run_terminal=False, current_fence=None)
         if reason is not None:
             raise CONFLICTS[reason](f"lease {rec.lease_id}: {reason}")
         claim = None
-        if call.op is Op.COMPLETE and call.body and gated(call.body):
-            # Before anything of the completion is applied, the lease not even touched.
-            raw = self.s.storage.get(store.WORKERS, rec.worker_id)
-            worker = WorkerCapabilities.from_record(raw if isinstance(raw, dict)
-                                                    else {"worker_id": rec.worker_id})
-            cursor = call.body.get("sticky_cursor")
-            check_completion(worker, call.body, sticky_identity=None if cursor is None else
-                             sticky_identity(self.s.storage, rec.run_id, worker.build_id))
-            if cursor is not None:
-                claim = claim_of(raw, cursor)
+        body = call.body
+        complete = op is Op.COMPLETE
+        if complete:
+            # A complete's body holds every field (`COMPLETE_FIELDS`): read by
+            # subscript, and `gated` written out (a complete on every step).
+            for name in GATED_FIELDS:
+                if body[name] is not None:
+                    claim = self._gate(rec, body)  # before anything is applied
+                    break
+        elif body is None:
+            body = {}
         now = self.s.clock.time_ms()
         self.s.lease_touched[rec.lease_id] = now
         revived = False
-        for action in m.touch(call.op, now):  # usually none: no generator per call
+        for action in m.touch(op, now):  # usually none: no generator per call
             if type(action) is Revived:
                 revived = True
         if revived:
             await peers.wake_run(self.s, rec.run_id, AttemptNote(
                 rec.lease_id, AttemptRevived(rec.step_id, rec.item_index, rec.fence)))
-        if call.op is Op.HEARTBEAT:
+        if op is Op.HEARTBEAT:
             self._arm()
             return {"lease_ttl_ms": m.ttl_ms}
-        body = call.body or {}
         started = None
-        if (body.get("started") is True and not rec.started and rec.delivery == "at_least_once"
-                and (call.op is Op.COMPLETE or call.op is Op.FAIL)):
+        if ((body["started"] if complete else body.get("started")) is True and not rec.started
+                and rec.delivery == "at_least_once" and (complete or op is Op.FAIL)):
             # The worker folded `started` into this call (its body ended inside
             # the heartbeat gap): apply it first, in the same handler and commit.
             m.touch(Op.STARTED, now)
             started = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
-        if call.op is Op.STARTED:
+        if op is Op.STARTED:
             event: Any = AttemptStarted(rec.step_id, rec.item_index, rec.fence)
             final = None
-        elif call.op is Op.COMPLETE:
-            event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body.get("output"),
-                                     body.get("state_patch"), body.get("usage"),
-                                     body.get("spans"),
-                                     parse_records(body["local_steps"])
-                                     if body.get("local_steps") else None, claim)
+        elif complete:
+            local = body["local_steps"]
+            event = AttemptCompleted(rec.step_id, rec.item_index, rec.fence, body["output"],
+                                     body["state_patch"], body["usage"], body["spans"],
+                                     parse_records(local) if local else None, claim)
             final = LeaseStatus.COMPLETED
         else:
             event = AttemptFailed(rec.step_id, rec.item_index, rec.fence, body["error_class"],
@@ -233,25 +238,36 @@ class LeaseActor(Actor):
             # answer now. The run's mailbox keeps it ahead of this lease's
             # `complete`; if the run refuses it, that `complete` hears why.
             await peers.wake_run(self.s, rec.run_id,
-                                 ApplyAttempt(rec.lease_id, call.op, stored, event))
+                                 ApplyAttempt(rec.lease_id, op, stored, event))
             self._arm()
             return {}
         try:
             told = await peers.ask_run(self.s, rec.run_id,
-                                       ApplyAttempt(rec.lease_id, call.op, stored, event, started))
+                                       ApplyAttempt(rec.lease_id, op, stored, event, started))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer
             raise
         if final is not None:
             m.end(final, now)
-            stats = body.get("sticky_stats") if call.op is Op.COMPLETE else None
+            stats = body["sticky_stats"] if complete else None
             if stats is not None:
                 peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(stats))
             self._end(None, told=told is True)
         else:
             self._arm()
         return {}
+
+    def _gate(self, rec: LeaseRecord, body: dict[str, Any]) -> Any:
+        """A complete with a capability-specific field: checked against its worker's
+        registration (`check_completion`); the sticky claim it makes, if any."""
+        raw = self.s.storage.get(store.WORKERS, rec.worker_id)
+        worker = WorkerCapabilities.from_record(raw if isinstance(raw, dict)
+                                                else {"worker_id": rec.worker_id})
+        cursor = body["sticky_cursor"]
+        check_completion(worker, body, sticky_identity=None if cursor is None else
+                         sticky_identity(self.s.storage, rec.run_id, worker.build_id))
+        return None if cursor is None else claim_of(raw, cursor)
 
     async def _tick(self) -> None:
         m = self.machine

@@ -49,7 +49,9 @@ class IdleCheck:
 @dataclass(frozen=True, slots=True)
 class LeaseCall:
     op: Op
-    body: Any = None  # the call's parsed body: progress, output/state_patch/usage/spans, error
+    # The call's parsed body: progress, error; a complete's holds every field of
+    # `lease.COMPLETE_FIELDS` (None when not sent), read by subscript.
+    body: Any = None
     # The worker registered on the connection the call came in on, when the
     # transport knows it (WebSocket, in process); None over plain HTTP.
     caller: str | None = None
@@ -271,10 +273,15 @@ class SlotFor:
 class TakeSlot:
     """`SlotFor`, asked by the slot's run in its own turn (`ask_now`): the session takes
     the slot and answers as whom the run is to offer it (`OfferAs`), or None (it gave
-    the slot back); the run then offers it and hands over the lease (`Offered`)."""
+    the slot back); the run then offers it and hands over the lease (`Offered`).
+
+    `now`: the run's clock reading in this turn, the session's too (the same
+    instant: the session reads no clock of its own).
+    """
 
     spec: AttemptSpec
     claim: int | None
+    now: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +302,16 @@ class Offered:
     worker's own complete or fail, told here instead of by its lease actor
     (`LeaseEnded` without a reason): the step's next lease and its last one's
     end reach the session in one message.
+
+    `now`: when the run made (or gave up) the offer, which the session takes as
+    the time of its worker's activity rather than reading the clock again (the
+    hand-over follows the offer by the commit between them, and the session
+    only ever moves its idle clock forward with it).
     """
 
     spec: AttemptSpec
     lease: dict[str, Any] | None
+    now: int
     ended: str | None = None
 
 

@@ -138,7 +138,9 @@ def route_now(s: Services, spec: Any) -> tuple[str, int | None] | None:
     """Which session takes `spec` now, counted as handed to it by the registry
     (`Route`, in the caller's turn); None: nobody now, or the registry is busy."""
     try:
-        routed: tuple[str, int | None] | None = fixed(s, "/registry").ask_now(Route(spec))
+        # `fixed`'s cache read here: its call only when the ref is not cached yet.
+        ref = s.fixed_refs.get("/registry") or fixed(s, "/registry")
+        routed: tuple[str, int | None] | None = ref.ask_now(Route(spec))
         return routed
     except _GONE:
         return None
@@ -237,8 +239,8 @@ def start_lease(s: Services, record: Any, *, fresh: bool = True) -> None:
     try:
         # A new lease's actor is handed its record: its on_start loads nothing,
         # so nobody waits for the startup handshake.
-        leases = fixed(s, "/leases")
-        if not isinstance(leases, SupervisorRef):
+        leases = s.fixed_refs.get("/leases") or fixed(s, "/leases")  # `fixed`, cached
+        if type(leases) is not SupervisorRef and not isinstance(leases, SupervisorRef):
             leases = s.system.supervisor("/leases")
         leases.start_child_nowait(s.lease_spec(record, fresh))
     except ChildExists:
@@ -372,4 +374,6 @@ def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:
         actor.cancel_timer("due")
         return
     clock = s.clock
-    actor.arm_timer("due", clock.now() + max(0, due_ms - clock.time_ms()) / 1000.0, Due())
+    at = clock.now()
+    delay = due_ms - clock.time_ms()
+    actor.arm_timer("due", at + delay / 1000.0 if delay > 0 else at, Due())

@@ -106,12 +106,12 @@ class RegistryActor(Actor):
             self.workers[info.worker_id] = info
 
     async def receive(self, message: Any) -> Any:
+        if type(message) is Route:  # a run's, in its own turn (a step each): first, no call
+            return self._route(message.spec)
         if isinstance(message, Announce):
             for spec in message.specs:
                 self._add(spec, front=False)
             return None
-        if isinstance(message, Route):
-            return self._route(message.spec)
         if isinstance(message, Subscribe):
             self._subscribe(message)
             return None
@@ -149,7 +149,7 @@ class RegistryActor(Actor):
 
     def _serves(self, sub: _Sub, spec: AttemptSpec) -> bool:
         info = self.workers.get(sub.worker_id)
-        if info is None or spec_key(spec) not in info.keys:
+        if info is None or (spec.workflow, spec.version, spec.body) not in info.keys:  # spec_key
             return False
         if sub.run_id is not None and sub.run_id != spec.run_id:
             return False
@@ -186,7 +186,7 @@ class RegistryActor(Actor):
         offered, and slots queued to its session together go out in one answer
         (`ClaimReady`), where slots offered one by one would each end it.
         """
-        if spec_slot(spec) in self.queued:
+        if (spec.run_id, spec.step_id, spec.item_index) in self.queued:  # `spec_slot`
             return None
         for sub in self.waiting:
             if self._serves(sub, spec):

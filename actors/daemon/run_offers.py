@@ -89,7 +89,8 @@ class RunOffers(RunWrites):
             return False
         ahead = self._offer_ahead(tr)
         if ahead:
-            leases = extra["leases"] = list(extra.get("leases", ()))
+            # A copy (the caller's list stays its own), without `list` and `get` calls.
+            leases = extra["leases"] = [*extra["leases"]] if "leases" in extra else []
             for offer in ahead:
                 leases.append(offer[3].to_dict())
         w = self._write(tr, **extra)
@@ -115,26 +116,36 @@ class RunOffers(RunWrites):
         more: list[Any] = []  # the offers' own effects (none today), after tr's
         for i, effect in enumerate(effects):
             if type(effect) is Runnable:
-                if _withdraws(effects):
-                    return ahead  # the step moved on in the same transition
+                for other in effects:  # `_withdraws`, written out (a step each)
+                    if type(other) is Withdraw:
+                        return ahead  # the step moved on in the same transition
+                # This turn's time: the event that made the slot runnable was handled
+                # at it, in this turn (`RunMachine.handle` sets `updated_at`), and the
+                # session takes it as its own (`TakeSlot`): no clock read.
+                now = self.machine.record.updated_at
                 left = []
+                moved = False
                 for spec in effect.attempts:
-                    taken = self._take(spec)
+                    taken = self._take(spec, now)
                     if taken is None:
                         left.append(spec)
-                    elif taken is not True:
+                        continue
+                    moved = True
+                    if taken is not True:
                         ref, who = taken
-                        made = self._made_offer(spec, who)
+                        made = self._made_offer(spec, who, now)
                         if made is None:
-                            peers.tell_ref_now(ref, Offered(spec, None))
+                            peers.tell_ref_now(ref, Offered(spec, None, now))
                             continue
                         offer_tr, record, lease = made
-                        tr.journal.extend(offer_tr.journal)
-                        more.extend(offer_tr.effects)
+                        tr.journal += offer_tr.journal  # `+=`: no `extend` call
+                        if offer_tr.effects:
+                            more += offer_tr.effects
                         ahead.append((ref, spec, lease, record))
-                if len(left) < len(effect.attempts):
+                if moved:  # some went to a session: the rest stay runnable
                     effects[i] = Runnable(tuple(left))
-        effects.extend(more)
+        if more:
+            effects += more
         return ahead
 
     def _on_record(self, first: _Ahead) -> bool:
@@ -159,16 +170,18 @@ class RunOffers(RunWrites):
                 ended = None
                 if ending is not None and not told and record.worker_id == ending[1]:
                     ended = ending[0]
-                sent = peers.tell_ref_now(session, Offered(spec, lease, ended))
+                sent = peers.tell_ref_now(session, Offered(spec, lease, record.offered_at, ended))
                 told = told or (ended is not None and sent)
             else:
-                peers.tell_ref_now(session, Offered(spec, None))
+                peers.tell_ref_now(session, Offered(spec, None, record.offered_at))
         return told
 
     # ------------------------------------------------------------------ offers
 
-    def _take(self, spec: AttemptSpec) -> tuple[ActorRef, OfferAs] | Literal[True] | None:
-        """Which session takes `spec` now, and as whom (`Route`, then `TakeSlot`).
+    def _take(self, spec: AttemptSpec, now: int
+              ) -> tuple[ActorRef, OfferAs] | Literal[True] | None:
+        """Which session takes `spec` now (this turn's `now`), and as whom (`Route`, then
+        `TakeSlot`).
 
         Returns the session and its worker; True when the slot went elsewhere
         (queued to a busy session as the registry's own `SlotFor`, or given
@@ -184,7 +197,7 @@ class RunOffers(RunWrites):
         try:
             ref = e.system.resolve(f"/sessions/{worker_id}")
             try:
-                who: OfferAs | None = ref.ask_now(TakeSlot(spec, claim))
+                who: OfferAs | None = ref.ask_now(TakeSlot(spec, claim, now))
             except WouldBlock:
                 ref.tell_nowait(SlotFor(spec, claim))  # the registry's own hand-over
                 return True
@@ -194,13 +207,12 @@ class RunOffers(RunWrites):
             return True  # the session could not take it and gave it back (`ReturnSpecs`)
         return ref, who
 
-    def _made_offer(self, spec: AttemptSpec, who: Offer | OfferAs
+    def _made_offer(self, spec: AttemptSpec, who: Offer | OfferAs, now: int
                     ) -> tuple[Transition, LeaseRecord, dict[str, Any]] | None:
-        """The machine offers `spec` to `who`: its transition, the lease record and what
-        the worker gets; None when the slot moved on (offered elsewhere, withdrawn,
-        the run over)."""
+        """The machine offers `spec` to `who` at `now`: its transition, the lease record
+        and what the worker gets; None when the slot moved on (offered elsewhere,
+        withdrawn, the run over)."""
         e = self.s
-        now = e.clock.time_ms()
         lease_id = ids.lease_id(now)
         try:
             tr = self.machine.handle(
@@ -224,7 +236,7 @@ class RunOffers(RunWrites):
 
     def _offer(self, msg: Offer) -> dict[str, Any] | None:
         """A session asks for a lease for a slot the registry queued to it (`Offer`)."""
-        made = self._made_offer(msg.spec, msg)
+        made = self._made_offer(msg.spec, msg, self.s.clock.time_ms())
         if made is None:
             return None  # the slot moved on (offered elsewhere, withdrawn, run over)
         tr, record, lease = made
@@ -239,19 +251,20 @@ class RunOffers(RunWrites):
     def _offer_now(self, spec: AttemptSpec) -> bool:
         """Offer a slot of a transition committed already (a new run's first step) in
         this turn, if a session takes it now, written behind; False: announce it."""
-        taken = self._take(spec)
+        now = self.s.clock.time_ms()
+        taken = self._take(spec, now)
         if taken is None:
             return False
         if taken is True:
             return True
         ref, who = taken
-        made = self._made_offer(spec, who)
+        made = self._made_offer(spec, who, now)
         lease = None
         if made is not None:
             tr, record, lease = made
             self._write_behind(self._write(tr, leases=[record.to_dict()]))
             peers.start_lease(self.s, record)
-        peers.tell_ref_now(ref, Offered(spec, lease))
+        peers.tell_ref_now(ref, Offered(spec, lease, now))
         return True
 
     def _announce(self) -> None:
@@ -270,8 +283,9 @@ class RunOffers(RunWrites):
                 specs = effect.attempts
                 if offer and not _withdraws(tr.effects):
                     specs = tuple(spec for spec in specs if not self._offer_now(spec))
-                peers.announce(e, specs)
-                await self._open_sessions(specs)
+                if specs:  # none left when the step's offer rode the commit
+                    peers.announce(e, specs)
+                    await self._open_sessions(specs)
             elif type(effect) is Withdraw:
                 peers.withdraw(e, effect.run_id, effect.slots)
             elif type(effect) is EndLeases:

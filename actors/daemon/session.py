@@ -172,8 +172,8 @@ class SessionActor(Actor):
     async def _take_slot(self, message: TakeSlot) -> OfferAs | None:
         # The slot's run asks, in its own turn (`ask_now`): it makes the lease
         # itself, so the `Offer` is answered as whom, not performed.
-        actions = self.machine.slot(message.spec, message.claim, self.s.clock.time_ms())
-        if len(actions) == 1 and type(actions[0]) is Offer:
+        actions = self.machine.slot(message.spec, message.claim, message.now)
+        if actions and type(actions[0]) is Offer and not actions[1:]:  # one Offer: no `len`
             # No re-arm: a slot in hand only ever removes the idle expiry, and
             # the `Offered` that follows arms what is due.
             return OfferAs(self.worker_id, self.name, self.local_steps, self.sticky)
@@ -182,9 +182,11 @@ class SessionActor(Actor):
         return None
 
     async def _offered(self, message: Offered) -> None:
-        now = self.s.clock.time_ms()
+        now = message.now
         if message.ended is not None:  # the worker's last lease, ended by its own call
-            await self._perform(self.machine.lease_ended(message.ended, None, now))
+            ended = self.machine.lease_ended(message.ended, None, now)
+            if ended:  # nothing, but for a cancel (never on this path): no call
+                await self._perform(ended)
         await self._perform(self.machine.offered(message.spec, message.lease, now))
         self._arm()
 

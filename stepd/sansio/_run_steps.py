@@ -74,7 +74,7 @@ class _RunSteps(_RunSessions):
         if (type(step) is TaskStep or type(step) is ForEachStep) and step.session is not None \
                 and self._session_unusable(step.session, step.id, tr, now):
             return None
-        if isinstance(step, TaskStep):
+        if type(step) is TaskStep:  # steps are final classes: no isinstance per step
             try:
                 rendered = self.definition.input_renderer(step.id)(self._ctx())
             except TemplateError as exc:
@@ -230,13 +230,13 @@ class _RunSteps(_RunSessions):
         (completed, or failed on a budget or a bad jump).
         """
         r = self.record
-        if not isinstance(step, TaskStep):
+        if type(step) is not TaskStep:  # final classes: no isinstance per step
             # Tasks journal their completion with the attempt; the other kinds here.
             # The output is journaled even when null: the journal alone then
             # holds the run's history (what a fork copies, `RunMachine.fork`).
             self._journal(tr, now, "step_completed", step_id=step.id, **(note or {}))
             tr.journal[-1]["output"] = output
-        into = getattr(step, "into", None)
+        into = None if type(step) is TaskStep else getattr(step, "into", None)
         new_state = r.state
         if patch:
             new_state = {**new_state, **patch}

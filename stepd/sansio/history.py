@@ -117,7 +117,7 @@ def fork_point(journal: list[dict[str, Any]], definition: Definition, step_id: s
 
 def _fold(p: ForkPoint, prefix: list[dict[str, Any]], definition: Definition) -> None:
     """Replay the prefix's effects on the record's fields (mirrors `_RunSteps._finish_step`
-    and `_RunEvents._on_completed`, which journal each change they apply)."""
+    and `_RunAttempts._on_completed`, which journal each change they apply)."""
     for i, e in enumerate(prefix):
         kind = e.get("type")
         if kind == "step_scheduled":

@@ -303,9 +303,9 @@ class LeaseMachine:
 
     def end(self, status: LeaseStatus, now: int) -> None:
         """The lease ended (its own complete/fail, or the run superseded it)."""
-        trigger = _END_TRIGGER.get(status)
-        if trigger is None:
+        if status not in _END_TRIGGER:  # `in`, then a subscript: no `get` call (a step each)
             raise IllegalTransition(f"cannot end lease {self.record.lease_id} as {status.value}")
+        trigger = _END_TRIGGER[status]
         nxt = _step(self.record.status, trigger, self.record.lease_id)
         assert nxt is status
         self.record.status = status

@@ -103,7 +103,7 @@ __all__ = [
 class RunMachine(_RunEvents):
     """One run's logic. Holds the record and the pinned definition; nothing else.
 
-    Its code is layered over four modules (`_run_base`); this one holds
+    Its code is layered over six modules (`_run_base`); this one holds
     creation, the queries, the dispatch and the status view.
     """
 
@@ -319,14 +319,16 @@ class RunMachine(_RunEvents):
                 that is not an object).
         In every raising case, nothing changed.
         """
-        handler = _HANDLERS.get((self.record.status, type(event)))
-        if handler is None:
+        try:  # a subscript, not `get`: no call (three events a step)
+            handler = _HANDLERS[(self.record.status, type(event))]
+        except KeyError:
             if self.record.status.terminal and type(event) in _TERMINAL_CONFLICTS:
-                raise RunTerminal(f"run {self.record.run_id} is {self.record.status.value}")
+                raise RunTerminal(
+                    f"run {self.record.run_id} is {self.record.status.value}") from None
             raise IllegalTransition(
                 f"{type(event).__name__} is not allowed when run {self.record.run_id} "
                 f"is {self.record.status.value}"
-            )
+            ) from None
         tr = handler(self, event, now_ms)
         self.record.updated_at = now_ms
         return tr

@@ -306,7 +306,8 @@ class SessionMachine:
 
     def lease_ended(self, lease_id: str, reason: str | None, now: int) -> list[Action]:
         """A lease of this worker ended; `reason` fenced/run_terminal ends it early."""
-        self.last_active = max(self.last_active, now)
+        if now > self.last_active:  # noqa: PLR1730 - `max`, written out (a lease ends every step)
+            self.last_active = now
         if self.held.pop(lease_id, None) is None:
             return []
         if reason in ("fenced", "run_terminal") and self.attached is not None:

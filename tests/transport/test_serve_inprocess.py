@@ -8,6 +8,7 @@ entries, and copies of every value crossing it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from stepd.actors.daemon import SignalRefused
 from stepd.sansio.errors import AlreadyApplied, Invalid, NotFound, RunTerminal, Unavailable
 from stepd.transport.inprocess import InProcess
-from stepd.transport.protocol import error_reply
+from stepd.transport.protocol import NO_BODY, Operation, error_reply
 
 from .conftest import InProcDaemon, task_def, unique
 
@@ -101,6 +102,48 @@ def test_in_process_calls_see_what_http_sees(inproc: InProcDaemon) -> None:
                                            "runs.journal", "runs.result"}
     start = next(e for e in mine if e["action"] == "runs.start")
     assert start["key_id"] is None and start["status"] == 201 and start["scope"] == "execute"
+
+
+def test_a_lease_call_in_one_frame_answers_exactly_as_handle(inproc: InProcDaemon) -> None:
+    """`Protocol.handle_lease` (the WebSocket's lease calls) is `handle` for those rows in
+    one frame: every refusal and every answer the same, for the same calls."""
+    name = unique()
+    wid = _in(inproc, lambda c: c.register({"definitions": [task_def(name, "a", "b")]}))[
+        "worker_id"]
+    _in(inproc, lambda c: c.start_run({"workflow": name, "input": None}))
+    lease = _in(inproc, lambda c: c.claim({"worker_id": wid, "wait_ms": 1000}))["leases"][0]
+    lid = lease["lease_id"]
+    protocol = inproc.daemon.protocol
+
+    async def both(op: Operation, target: str, body: Any, worker_id: str | None
+                   ) -> tuple[Any, Any]:
+        principal = protocol.authorize(op, None)
+        slow = await protocol.handle(op, principal, target=target,
+                                     body=copy.deepcopy(body), worker_id=worker_id)
+        fast = await protocol.handle_lease(op, target, copy.deepcopy(body), worker_id)
+        return (slow.status, slow.body), (fast.status, fast.body)
+
+    def same(op: Operation, target: str, body: Any, worker_id: str | None = None) -> int:
+        slow, fast = inproc.run(both, op, target, body, worker_id)
+        assert fast == slow
+        return int(fast[0])
+
+    # Refusals before the lease is looked at: a malformed id, a body that fails its
+    # schema, one of another type; then an unknown lease, and another worker's.
+    assert same(Operation.COMPLETE, "not a lease id", {"output": 1}) == 404
+    assert same(Operation.COMPLETE, lid, {"outptu": 1}) == 400
+    assert same(Operation.FAIL, lid, {"error_class": 7}) == 400
+    assert same(Operation.HEARTBEAT, lid, [1]) == 400
+    assert same(Operation.STARTED, lid, {}, "w_nobody") == 404
+    assert same(Operation.HEARTBEAT, "l_" + "0" * 26, {}) == 404
+    assert same(Operation.STARTED, lid, NO_BODY) == 400  # a body is a map (as over HTTP)
+    # Answers: a heartbeat (answered both times, it changes nothing durable).
+    assert same(Operation.HEARTBEAT, lid, {"progress": 1}, wid) == 200
+    # The complete lands once (the fast way); then both refuse it alike (409).
+    done = inproc.run(protocol.handle_lease, Operation.COMPLETE, lid, {"output": 1}, wid)
+    assert (done.status, done.body) == (200, {})
+    assert same(Operation.COMPLETE, lid, {"output": 1}, wid) == 409
+    assert same(Operation.FAIL, lid, {"error": {"class": "retryable", "message": "m"}}, wid) == 409
 
 
 def test_signal_refusal_carries_the_budget_in_process(inproc: InProcDaemon) -> None:

@@ -1,11 +1,11 @@
-"""The WebSocket's in-flight limit (`transport.websocket._Slots`): order, hand-over, cancellation."""
+"""The WebSocket's in-flight limit (`transport._ws_slots.Slots`): order, hand-over, cancellation."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from stepd.transport.websocket import _Slots
+from stepd.transport._ws_slots import Slots as _Slots
 
 pytestmark = pytest.mark.anyio
 

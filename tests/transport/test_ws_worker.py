@@ -242,7 +242,7 @@ def test_the_complete_is_answered_before_the_next_lease_is_pushed(
         daemon: DaemonProcess, subprotocol: str) -> None:
     """The next step is offered inside the `complete`'s own call (the run's turn), yet
     the worker reads the `ok` first, then the lease, as a client that takes the next
-    frame for its answer expects (transport/websocket.py `_Held`)."""
+    frame for its answer expects (transport/_ws_calls.py `_HELD`)."""
     name = unique()
     with ws_connect(daemon, subprotocol=subprotocol) as conn, daemon.client() as http:
         w = WsWorker(conn)
