@@ -359,12 +359,7 @@ class Runtime:
     def now_error(self, exc: BaseException) -> BaseException:
         """`ActorRef.ask_now`'s handler raised `exc`: what to raise to its caller."""
         if isinstance(exc, Exception):
-            errors = self.actor.reply_errors
-            if errors and isinstance(exc, errors):
-                self.release_owner()
-                return exc
-            self._crash_later(exc)
-            return ActorDead(self.cell.path, exc)
+            return self._handler_raised(exc)
         self.release_owner()
         return exc
 
@@ -385,16 +380,20 @@ class Runtime:
                 return exc  # the caller is cancelled too
             return ActorDead(path, reason)
         if isinstance(exc, Exception):
-            errors = self.actor.reply_errors
-            if errors and isinstance(exc, errors):
-                self.release_owner()
-                return exc
-            self._crash_later(exc)
-            return ActorDead(path, exc)
+            return self._handler_raised(exc)
         # The asker was cancelled (or interrupted) half way through the handler:
         # let it crash; it restarts from scratch like after a kill.
         self._end(ActorKilled(path, "its handler was cancelled in the caller's task"))
         return exc
+
+    def _handler_raised(self, exc: Exception) -> BaseException:
+        """An inline handler raised: `reply_errors` go to the caller; the rest crash it."""
+        errors = self.actor.reply_errors
+        if errors and isinstance(exc, errors):
+            self.release_owner()
+            return exc
+        self._crash_later(exc)
+        return ActorDead(self.cell.path, exc)
 
     def release_owner(self) -> None:
         """The inline owner is done: hand pending work to a dispatcher, or finish a stop."""
