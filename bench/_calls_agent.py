@@ -25,10 +25,10 @@ from __future__ import annotations
 import cProfile
 import json
 import os
-import time
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from types import CodeType, FrameType

@@ -155,10 +155,10 @@ if TYPE_CHECKING:
         Unprocessable,
     )
     from stepd._runs import Budget, RunError, RunStatus, RunSummary, Usage
+    from stepd._work_sessions import SessionAcquired
     from stepd.client import AsyncClient, AsyncRunHandle, Client, RunHandle
     from stepd.context import Span, StepContext, current_context
     from stepd.embedded import Embedded, embedded
     from stepd.gc_policy import tune_gc
-    from stepd._work_sessions import SessionAcquired
     from stepd.worker import Worker
     from stepd.workflow import Retry, Workflow, body

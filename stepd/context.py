@@ -217,10 +217,27 @@ class StepContext:
     patch, the cancel event and scope are made at the first use.
     """
 
-    __slots__ = ("__dict__", "_cancel_event", "_cancel_reason", "_cancel_scope", "_host",
-                 "_lease", "_notify", "_patch", "_progress", "_progress_set", "_self_cancelled",
-                 "_otel", "_spans", "_state", "_state_view", "_usage", "lease_id", "run_id",
-                 "step_id")
+    __slots__ = (
+        "__dict__",
+        "_cancel_event",
+        "_cancel_reason",
+        "_cancel_scope",
+        "_host",
+        "_lease",
+        "_notify",
+        "_otel",
+        "_patch",
+        "_progress",
+        "_progress_set",
+        "_self_cancelled",
+        "_spans",
+        "_state",
+        "_state_view",
+        "_usage",
+        "lease_id",
+        "run_id",
+        "step_id",
+    )
 
     def __init__(self, lease: dict[str, Any], *, notify_heartbeat: Callable[[], None] | None = None
                  ) -> None:

@@ -15,7 +15,7 @@ import anyio
 
 from stepd.actors import ActorDead, ActorNotFound
 from stepd.sansio.capabilities import WorkerCapabilities, check_completion
-from stepd.sansio.errors import Fenced, Invalid, NotFound, Unavailable
+from stepd.sansio.errors import Fenced, NotFound, Unavailable
 
 from . import peers, store
 from ._api_base import ApiBase

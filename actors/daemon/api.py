@@ -36,8 +36,8 @@ from stepd.storage import Storage
 from . import listing, peers, store
 from ._api_retention import RetentionOps
 from ._api_runs import RunOps
-from ._api_sessions import SessionOps
 from ._api_schedules import ScheduleOps
+from ._api_sessions import SessionOps
 from ._api_workers import Connection, WorkerOps, _load_workers
 from .catalog import Catalog
 from .messages import (

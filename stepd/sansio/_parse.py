@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 from stepd.sansio.errors import Invalid, field_path
-from stepd.sansio.templates import iter_templates, parse_template
 from stepd.sansio.session_spec import parse_sessions
+from stepd.sansio.templates import iter_templates, parse_template
 
 from ._model import (
     _DEFAULT_RETRY,

@@ -92,7 +92,7 @@ def test_the_summary_is_the_median_of_the_per_cycle_ratios() -> None:
 
 
 def test_arguments_default_to_three_cycles_of_peers_sizes_and_user_defaults() -> None:
-    args, only, transports = parse_args(["--vs-restate"])
+    args, _only, transports = parse_args(["--vs-restate"])
     assert args.vs_restate and args.cycles == 3
     assert (args.a_runs, args.b_count, args.idle_seconds, args.settle) == (20, 1000, 30.0, 5.0)
     assert transports == ["embedded", "websocket", "http"]

@@ -115,7 +115,7 @@ async def test_at_most_once_started_is_never_rerun(engine: Daemon, clock: Manual
 
 async def test_at_most_once_never_started_is_reoffered_same_attempt(engine: Daemon, clock: ManualClock) -> None:
     wid = await worker(engine, one(delivery="at_most_once", retry={"max_attempts": 1}))
-    run_id, _ = await engine.start_run("one")
+    _run_id, _ = await engine.start_run("one")
     first = await claim_one(engine, wid)
     await settle_time(clock, 30.0)
     await settle_time(clock, 5.0)
@@ -271,7 +271,7 @@ async def test_a_released_lease_is_queued_again_at_once_same_attempt(engine: Dae
 
 async def test_metrics_hooks_count_runs_and_sample_schedule_to_start(engine: Daemon) -> None:
     wid = await worker(engine, one())
-    run_id, _ = await engine.start_run("one")
+    _run_id, _ = await engine.start_run("one")
     assert engine.stats.status_counts.get("running") == 1
     await finish(engine, await claim_one(engine, wid), 1)
     await eventually(lambda: engine.stats.status_counts.get("completed") == 1)

@@ -23,8 +23,8 @@ from stepd.sansio.lease import (
 
 
 def record(**kw: object) -> LeaseRecord:
-    base = dict(lease_id="l1", run_id="r1", step_id="s", item_index=None, fence=2, attempt=1,
-                worker_id="w", worker_name="n", delivery="at_least_once")
+    base = {"lease_id": "l1", "run_id": "r1", "step_id": "s", "item_index": None, "fence": 2, "attempt": 1,
+                "worker_id": "w", "worker_name": "n", "delivery": "at_least_once"}
     base.update(kw)
     return LeaseRecord(**base)  # type: ignore[arg-type]
 

@@ -453,7 +453,7 @@ def test_a_loop_is_bounded_by_max_transitions() -> None:
 
 def test_a_loop_of_steps_that_never_wait_is_stopped() -> None:
     d = defn([{"id": "fan", "kind": "for_each", "items": [], "body": "x", "_next_step": "fan"}])
-    m, tr = start(d)
+    m, _tr = start(d)
     assert m.status is RunStatus.FAILED
     assert str(MAX_IMMEDIATE_STEPS) in m.record.error["message"]  # type: ignore[index]
 
@@ -473,7 +473,7 @@ def test_max_cost_units_counts_completed_steps_cost() -> None:
     assert m.status is RunStatus.FAILED
     assert m.record.error["budget"] == "max_cost_units"  # type: ignore[index]
     assert m.record.state == {} and m.record.cost_units == 3  # the breaching completion applies nothing
-    assert [e for e in tr.journal if e["type"] == "budget_exceeded"][0]["value"] == 6
+    assert next(e for e in tr.journal if e["type"] == "budget_exceeded")["value"] == 6
 
 
 def test_max_state_bytes_is_checked_on_each_state_change() -> None:
@@ -493,8 +493,8 @@ def test_a_breach_fails_the_run_without_retry_and_ends_live_leases() -> None:
              budgets={"max_cost_units": 1})
     m, _ = start(d, input=[1, 2])
     drv = Driver(m)
-    l1, f1 = drv.offer("f", 0)
-    l2, f2 = drv.offer("f", 1)
+    _l1, f1 = drv.offer("f", 0)
+    _l2, f2 = drv.offer("f", 1)
     m.handle(AttemptCompleted("f", 0, f1, "x"), 0)
     tr = m.handle(AttemptCompleted("f", 1, f2, "y"), 0)
     assert m.status is RunStatus.FAILED
@@ -535,7 +535,7 @@ def test_for_each_collects_outputs_in_item_order_despite_out_of_order_completion
 def test_for_each_item_inputs_render_item_and_index() -> None:
     d = defn([{"id": "fan", "kind": "for_each", "items": ["a", "b"], "body": "x",
                "input": {"v": "${item}", "i": "${item_index}", "s": "${item}-${item_index}"}}])
-    m, tr = start(d)
+    m, _tr = start(d)
     assert m.record.frame is not None
     assert [s.input for s in m.record.frame.slots] == [{"v": "a", "i": 0, "s": "a-0"},
                                                       {"v": "b", "i": 1, "s": "b-1"}]
@@ -743,7 +743,7 @@ def test_max_started_workflows_is_checked_before_any_child_is_created() -> None:
 def test_start_workflows_without_wait_completes_with_the_child_ids() -> None:
     child = defn([task("c")], name="child")
     d = defn([{"id": "kids", "kind": "start_workflows", "workflow": "child", "items": [1], "wait": False}])
-    m, tr = start(d, resolve=_resolver({"child": child}))
+    m, _tr = start(d, resolve=_resolver({"child": child}))
     assert m.status is RunStatus.COMPLETED and m.record.result == ["r_1.kids.0"]
 
 
