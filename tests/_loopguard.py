@@ -81,7 +81,9 @@ class LoopWatch:
         self._delay_at_beat = 0.0
         self._gc_s = 0.0  # time in finished collections since start()
         self._gc_started: float | None = None  # a collection in progress began then
-        self._gc_at_beat = 0.0
+        # The last beat and the collection time at that beat, set together by the
+        # loop thread (one tuple: the watchdog reads them as a pair).
+        self._mark = (self.last_beat, 0.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="loop-guard", daemon=True)
 
@@ -98,6 +100,7 @@ class LoopWatch:
         self.loop_thread = threading.get_ident()
         self._native_id = threading.get_native_id()
         self.last_beat = time.monotonic()
+        self._mark = (self.last_beat, self._gc_s)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -106,7 +109,7 @@ class LoopWatch:
             self._gc_s += time.monotonic() - self._gc_started
             self._gc_started = None
 
-    def _collecting_s(self, now: float, beat: float) -> float:
+    def _collecting_s(self, now: float, beat: float, gc_at_beat: float) -> float:
         """Time in collections since `beat`, the one in progress included.
 
         A collection runs finalizers (Python code) after its walk, so the
@@ -114,7 +117,7 @@ class LoopWatch:
         """
         started = self._gc_started
         ongoing = now - max(started, beat) if started is not None else 0.0
-        return self._gc_s - self._gc_at_beat + ongoing
+        return self._gc_s - gc_at_beat + ongoing
 
     def _run_delay_s(self) -> float:
         """The loop thread's total time runnable but off the CPU (0 where unknown)."""
@@ -128,14 +131,13 @@ class LoopWatch:
         while not self._stop.wait(BEAT_S * 2):
             if self.loop_thread is None:
                 continue
-            beat = self.last_beat
+            beat, gc_at_beat = self._mark
             delay = self._run_delay_s()
-            if beat != self._beat_seen:  # a fresh beat: the waits are counted from here
+            if beat != self._beat_seen:  # a fresh beat: the wait is counted from here
                 self._beat_seen, self._delay_at_beat = beat, delay
-                self._gc_at_beat = self._gc_s
             waited = delay - self._delay_at_beat
             now = time.monotonic()
-            collecting = self._collecting_s(now, beat)
+            collecting = self._collecting_s(now, beat, gc_at_beat)
             stale = now - beat - waited - collecting
             self.worst_s = max(self.worst_s, stale)
             if stale > self.threshold_s and self.violation is None:
