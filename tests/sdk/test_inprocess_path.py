@@ -5,6 +5,8 @@ copy without a JSON round trip, and the next step of a run, offered inside the
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,23 @@ async def add(ctx: stepd.StepContext, input: dict[str, int]) -> int:
     return input["acc"] + input["i"]
 
 
+@asynccontextmanager
+async def _serving(path: Path, wf: stepd.Workflow, bodies: dict[str, Callable[..., Any]],
+                   **knobs: Any) -> AsyncIterator[tuple[stepd.AsyncClient, stepd.Worker]]:
+    """An embedded daemon, its client, and an SDK worker serving `wf` in process until
+    the block ends (then stopped; the daemon stays open for the block only)."""
+    async with stepd.embedded(path) as daemon:
+        client = stepd.AsyncClient(daemon)
+        worker = stepd.Worker(client, **knobs)
+        worker.register(wf, bodies=bodies)
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            try:
+                yield client, worker
+            finally:
+                worker.stop()
+
+
 @pytest.mark.parametrize("concurrency", [None, 1])
 async def test_the_next_step_goes_to_the_runner_that_completed_the_last(
         tmp_path: Path, concurrency: int | None) -> None:
@@ -39,17 +58,9 @@ async def test_the_next_step_goes_to_the_runner_that_completed_the_last(
     turn: no hand-off. The journal is the same either way."""
     wf = _chain(6)
     knobs = {} if concurrency is None else {"concurrency": concurrency}
-    async with stepd.embedded(tmp_path / "data") as daemon:
-        client = stepd.AsyncClient(daemon)
-        worker = stepd.Worker(client, **knobs)
-        worker.register(wf, bodies={"add": add})
-        async with anyio.create_task_group() as tg:
-            await tg.start(worker.run)
-            try:
-                run = await client.start(wf.name, None)
-                assert await run.result(timeout=20) == 15
-            finally:
-                worker.stop()
+    async with _serving(tmp_path / "data", wf, {"add": add}, **knobs) as (client, worker):
+        run = await client.start(wf.name, None)
+        assert await run.result(timeout=20) == 15
         events = [e["type"] for e in await client.journal(run.run_id)
                   if e["type"].startswith("step_")]
     if concurrency is None:
@@ -76,17 +87,9 @@ async def test_values_cross_by_copy_both_ways(tmp_path: Path) -> None:
             input["m"]["k"] = "changed"
         return out
 
-    async with stepd.embedded(tmp_path / "data") as daemon:
-        client = stepd.AsyncClient(daemon)
-        worker = stepd.Worker(client)
-        worker.register(wf, bodies={"grab": grab})
-        async with anyio.create_task_group() as tg:
-            await tg.start(worker.run)
-            try:
-                run = await client.start(wf.name, None)
-                result = await run.result(timeout=20)
-            finally:
-                worker.stop()
+    async with _serving(tmp_path / "data", wf, {"grab": grab}) as (client, _):
+        run = await client.start(wf.name, None)
+        result = await run.result(timeout=20)
         for out in kept:  # after the daemon took them
             out["list"].append("late")
             out["seen"]["late"] = True
@@ -102,16 +105,8 @@ async def test_output_json_cannot_carry_fails_the_attempt_in_process(tmp_path: P
     async def nan(ctx: stepd.StepContext, input: Any) -> float:
         return float("nan")
 
-    async with stepd.embedded(tmp_path / "data") as daemon:
-        client = stepd.AsyncClient(daemon)
-        worker = stepd.Worker(client)
-        worker.register(wf, bodies={"nan": nan})
-        async with anyio.create_task_group() as tg:
-            await tg.start(worker.run)
-            try:
-                run = await client.start(wf.name, None)
-                with pytest.raises(stepd.RunFailed) as info:
-                    await run.result(timeout=20)
-            finally:
-                worker.stop()
+    async with _serving(tmp_path / "data", wf, {"nan": nan}) as (client, _):
+        run = await client.start(wf.name, None)
+        with pytest.raises(stepd.RunFailed) as info:
+            await run.result(timeout=20)
     assert "JSON" in str(info.value)
