@@ -7,7 +7,8 @@ times on a fresh daemon with default timings, and checked by counts only:
 * ``test_a_complete_racing_a_kill_is_answered_by_what_it_did[runs|leases]``:
   one SDK-less worker holds 40 started leases (a one-step workflow); it sends
   the 40 ``complete`` calls at once while the test kills the run actor (or the
-  lease actor) of each. Each ``complete`` is sent once, so its answer must say
+  lease actor) of each (the first 5 completes wait for their kill's answer, so
+  some kills land on a machine fast enough to finish the rest first). Each ``complete`` is sent once, so its answer must say
   what became of it: 200 only if the journal holds its ``step_completed``, a
   409 only if it does not (a 503 asks for the call again: either way). A 409
   (``already_applied``, ``run_terminal``, ``fenced``) for a completion that
@@ -78,31 +79,43 @@ def hold_started(d: DaemonProcess, worker: Worker, n: int) -> list[dict[str, Any
 
 def complete_all_while(d: DaemonProcess, held: list[dict[str, Any]], kill_paths: list[str], *,
                        delay: float = 0.0, then: Callable[[], None] | None = None,
+                       lead: int = 0,
                        ) -> tuple[dict[str, tuple[int, str | None]], int]:
     """Every lease's ``complete`` at once (one thread each) while the paths are killed.
 
     The kills start ``delay`` seconds after the completes; ``then`` runs right after them.
+    The first ``lead`` leases' completes wait for the answers to the first ``lead`` kills:
+    on a fast machine every other complete can land before its kill arrives (the kill
+    then finds no actor, 404), and a race the daemon always wins tests nothing. Those
+    completes race the killed actors' restart instead.
     """
     answers: dict[str, tuple[int, str | None]] = {}
     go = threading.Barrier(len(held) + 1, timeout=30)
+    lead_killed = threading.Event()
 
-    def complete(lease: dict[str, Any]) -> None:
+    def complete(index: int, lease: dict[str, Any]) -> None:
         with d.client() as c:
             go.wait()
+            if index < lead:
+                lead_killed.wait(30)
             r = c.post(f"/v1/api/steps/{lease['lease_id']}/complete",
                        json={"output": lease["lease_id"]})
             reason = r.json().get("reason") if r.status_code == 409 else None
             answers[lease["lease_id"]] = (r.status_code, reason)
 
-    threads = [threading.Thread(target=complete, args=(lease,), daemon=True) for lease in held]
+    threads = [threading.Thread(target=complete, args=(i, lease), daemon=True)
+               for i, lease in enumerate(held)]
     for t in threads:
         t.start()
     kills = 0
     with d.client() as c:
         go.wait()
         time.sleep(delay)
-        for path in kill_paths:
+        for i, path in enumerate(kill_paths):
+            if i == lead:
+                lead_killed.set()
             kills += c.post("/v1/api/actors/kill", json={"path": path}).status_code == 200
+        lead_killed.set()
     if then is not None:
         then()
     for t in threads:
@@ -126,7 +139,7 @@ def test_a_complete_racing_a_kill_is_answered_by_what_it_did(target: str, tmp_pa
                 held = hold_started(d, worker, LEASES)
                 paths = [f"/runs/{x['run_id']}" if target == "runs" else f"/leases/{x['lease_id']}"
                          for x in held]
-                answers, k = complete_all_while(d, held, paths)
+                answers, k = complete_all_while(d, held, paths, lead=LEASES // 8)
                 kills += k
                 for lease in held:
                     events = c.get(f"/v1/api/runs/{lease['run_id']}/journal").json()["events"]
