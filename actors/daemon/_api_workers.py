@@ -81,8 +81,14 @@ class Connection:
             # waits; the registry's Subscribe runs inline too): the credit is the
             # session's before the worker's next call, whose commit offers the
             # next step to it (`RunOffers`), rather than still in its mailbox.
-            peers.tell_now(self._daemon.services, f"/sessions/{self.worker_id}",
-                           Grant(self.conn, n, self.outbox))
+            if not peers.tell_now(self._daemon.services, f"/sessions/{self.worker_id}",
+                                  Grant(self.conn, n, self.outbox)):
+                # The session's mailbox is full, or the session is gone or restarting:
+                # credit dropped here would leave the worker waiting for leases it is
+                # owed, and an idle worker grants nothing more by itself. Closed, it
+                # reconnects, registers and grants its credit afresh (what a session
+                # restart does); its leases stay its own.
+                self.outbox.close("the worker's session could not take the credit: reconnect")
 
     def detach(self) -> None:
         """The connection ended: its undelivered slots and credit go back."""

@@ -19,6 +19,8 @@ WebSocket or the in-process channel.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,5 +61,42 @@ def test_an_idle_worker_is_served_after_its_session_restarts(tmp_path: Path, kin
             assert client.start(wf, input=1).result(timeout=20) == 2
             client.kill_actor(target.format(worker_id=worker.worker_id))
             # Work that arrives after the restart reaches the idle worker.
+            assert client.start(wf, input=21).result(timeout=20) == 42
+            assert worker.errors == []
+
+
+def test_credit_the_session_cannot_take_closes_the_connection(tmp_path: Path) -> None:
+    """A grant its session cannot take (gone, or its mailbox full) is not dropped in silence.
+
+    The worker (one slot) holds a lease while its session actor is stopped for good
+    (stopped, not killed: nothing restarts it, so no successor closes the connection).
+    When the body ends, the worker grants its slot back; that credit has nowhere to
+    go. Dropped, the worker would wait for leases no session offers it (the run
+    below would never start); instead the daemon closes the connection, and the
+    worker attaches again, to a new session, and is served.
+    """
+    name = unique("credit")
+    release = threading.Event()
+
+    def hold(ctx: stepd.StepContext, input: Any) -> int:
+        if input == "hold":
+            assert release.wait(20)
+            return 0
+        return int(input) * 2
+
+    wf = stepd.Workflow(name).then(hold)
+    with stepd.embedded(tmp_path / "data") as d:
+        client = stepd.Client(d)
+        worker = stepd.Worker(client, concurrency=1).register(wf)
+        with serving(worker):
+            held = client.start(wf, input="hold")
+            deadline = time.monotonic() + 20
+            while not d.daemon.live_leases() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.daemon.live_leases() == 1
+            path = f"/sessions/{worker.worker_id}"
+            d.call_blocking(d.daemon.system.stop, path)
+            release.set()  # the body ends: its slot's credit goes to a stopped session
+            assert held.result(timeout=20) == 0
             assert client.start(wf, input=21).result(timeout=20) == 42
             assert worker.errors == []
