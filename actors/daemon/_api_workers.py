@@ -76,19 +76,19 @@ class Connection:
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10_000:
             raise Invalid("must be an integer from 1 to 10000", field="n")
-        if self._daemon.services.serving:
-            # Handled right here when the session is idle (its Grant handler never
-            # waits; the registry's Subscribe runs inline too): the credit is the
-            # session's before the worker's next call, whose commit offers the
-            # next step to it (`RunOffers`), rather than still in its mailbox.
-            if not peers.tell_now(self._daemon.services, f"/sessions/{self.worker_id}",
-                                  Grant(self.conn, n, self.outbox)):
-                # The session's mailbox is full, or the session is gone or restarting:
-                # credit dropped here would leave the worker waiting for leases it is
-                # owed, and an idle worker grants nothing more by itself. Closed, it
-                # reconnects, registers and grants its credit afresh (what a session
-                # restart does); its leases stay its own.
-                self.outbox.close("the worker's session could not take the credit: reconnect")
+        # Handled right here when the session is idle (its Grant handler never
+        # waits; the registry's Subscribe runs inline too): the credit is the
+        # session's before the worker's next call, whose commit offers the
+        # next step to it (`RunOffers`), rather than still in its mailbox.
+        # Refused (the session's mailbox is full, or it is gone or restarting),
+        # the credit would be dropped and leave the worker waiting for leases it
+        # is owed: an idle worker grants nothing more by itself. Closed, it
+        # reconnects, registers and grants its credit afresh (what a session
+        # restart does); its leases stay its own.
+        s = self._daemon.services
+        if s.serving and not peers.tell_now(s, f"/sessions/{self.worker_id}",
+                                            Grant(self.conn, n, self.outbox)):
+            self.outbox.close("the worker's session could not take the credit: reconnect")
 
     def detach(self) -> None:
         """The connection ended: its undelivered slots and credit go back."""
