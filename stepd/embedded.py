@@ -39,6 +39,8 @@ leaves the collector alone.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 import threading
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,6 +75,17 @@ class _Served(typing.Protocol):
     async def _wait_stopped(self) -> None: ...
 
 STOP_WORKERS_TIMEOUT_S = 30.0
+
+_DAEMON_MODULES = (
+    "stepd.sansio.pricing", "stepd.otel", "stepd.transport.auth", "stepd.actors.daemon",
+    "stepd.transport.inprocess", "stepd.transport.protocol",
+)
+"""What opening a daemon imports (`Embedded._open`, `Embedded._serving`), the last one last."""
+
+
+def _import_daemon() -> None:
+    for name in _DAEMON_MODULES:
+        importlib.import_module(name)
 """How long closing waits for the workers it stops (they fail back what they ran)."""
 
 
@@ -209,6 +222,12 @@ class Embedded:
 
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Embedded]:
+        if _DAEMON_MODULES[-1] not in sys.modules:
+            # The daemon's modules are imported the first time a daemon opens (a
+            # worker process never needs them). On the loop, that import held the
+            # caller's event loop for ~0.5 s (more where bytecode is not cached):
+            # in a thread, the loop keeps serving meanwhile.
+            await anyio.to_thread.run_sync(_import_daemon)
         from stepd.actors.daemon import Daemon, DaemonConfig
         from stepd.otel import open_export
         from stepd.sansio.pricing import PriceBook

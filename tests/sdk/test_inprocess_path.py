@@ -5,6 +5,7 @@ copy without a JSON round trip, and the next step of a run, offered inside the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -110,3 +111,36 @@ async def test_output_json_cannot_carry_fails_the_attempt_in_process(tmp_path: P
         with pytest.raises(stepd.RunFailed) as info:
             await run.result(timeout=20)
     assert "JSON" in str(info.value)
+
+
+_FIRST_OPEN = """
+import asyncio, sys, tempfile, threading
+import stepd
+
+importers = {}
+
+def hook(event, args):
+    if event == "import" and str(args[0]).startswith("stepd.actors.daemon."):
+        importers.setdefault(args[0], threading.get_ident())
+
+sys.addaudithook(hook)
+
+async def main():
+    assert "stepd.actors.daemon" not in sys.modules, "import stepd imported the daemon"
+    loop_thread = threading.get_ident()
+    async with stepd.embedded(tempfile.mkdtemp(dir=sys.argv[1])):
+        pass
+    print(len(importers), sum(thread == loop_thread for thread in importers.values()))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_first_open_imports_the_daemon_off_the_event_loop(tmp_path: Path) -> None:
+    """The daemon's modules take ~0.5 s to import the first time; `async with
+    stepd.embedded(...)` imports them in a worker thread, so the caller's loop keeps
+    serving meanwhile. A fresh interpreter, because this one has them imported already."""
+    done = await anyio.run_process([sys.executable, "-c", _FIRST_OPEN, str(tmp_path)])
+    imported, on_the_loop = map(int, done.stdout.decode().split())
+    assert imported > 10 and on_the_loop == 0, done.stdout
