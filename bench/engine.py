@@ -15,6 +15,7 @@ Not a test: timings are never asserted (these machines are noisy).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -33,7 +34,7 @@ def seq(n: int) -> dict[str, Any]:
     return {
         "name": f"seq{n}",
         "steps": [
-            {"id": f"s{i}", "kind": "task", "body": "add", "input": {"i": i, "acc": "${steps.s%d}" % (i - 1)}}
+            {"id": f"s{i}", "kind": "task", "body": "add", "input": {"i": i, "acc": f"${{steps.s{i - 1}}}"}}
             if i else {"id": "s0", "kind": "task", "body": "add", "input": {"i": 0, "acc": 0}}
             for i in range(n)
         ],
@@ -149,7 +150,8 @@ def main() -> None:
         for concurrent, runs in ((1, args.runs_1), (100, args.runs_100)):
             path = str(Path(tmp) / f"engine-{concurrent}")
             rows.append(anyio.run(
-                lambda: measure(path, concurrent=concurrent, runs=runs, steps=args.steps),
+                functools.partial(measure, path, concurrent=concurrent, runs=runs,
+                                  steps=args.steps),
                 backend=args.backend,
                 backend_options={"use_uvloop": True} if args.uvloop else {},
             ))

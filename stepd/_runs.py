@@ -23,7 +23,7 @@ def _time(value: Any) -> datetime.datetime | None:
     if not isinstance(value, str):
         return None
     try:
-        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return datetime.datetime.fromisoformat(value)
     except ValueError:
         return None
 

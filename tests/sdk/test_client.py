@@ -134,46 +134,62 @@ def test_list_runs_pages_and_workers(stack: Stack) -> None:
 def test_keys_and_scopes_are_typed_errors(auth_net: NetDaemon) -> None:
     name = unique("auth")
     wf = stepd.Workflow(name).then(echo)
-    with stepd.Client(auth_net.url, trust_env=False) as anonymous:
-        with pytest.raises(stepd.Unauthorized):
-            anonymous.status("r_x")
-    with stepd.Client(auth_net.url, key="wrong-key-0123456789", trust_env=False) as wrong:
-        with pytest.raises(stepd.Unauthorized):
-            list(wrong.list_runs())
+    with (
+        stepd.Client(auth_net.url, trust_env=False) as anonymous,
+        pytest.raises(stepd.Unauthorized),
+    ):
+        anonymous.status("r_x")
+    with (
+        stepd.Client(auth_net.url, key="wrong-key-0123456789", trust_env=False) as wrong,
+        pytest.raises(stepd.Unauthorized),
+    ):
+        list(wrong.list_runs())
     bad_worker = stepd.Worker(auth_net.url, key=KEYS["execute"]).register(wf)
     with pytest.raises(stepd.Forbidden):
         bad_worker.serve()  # an execute key cannot register a worker
     worker = stepd.Worker(auth_net.url, key=KEYS["worker"]).register(wf)
-    with stepd.Client(auth_net.url, key=KEYS["execute"], trust_env=False) as client:
-        with serving(worker):
-            assert worker.transport == "websocket"
-            run = client.start(wf, "authorized")
-            assert run.result(timeout=20) == "authorized"
-    with stepd.Client(auth_net.url, key=KEYS["worker"], trust_env=False) as as_worker:
-        with pytest.raises(stepd.Forbidden):
-            as_worker.start(wf)
+    with (
+        stepd.Client(auth_net.url, key=KEYS["execute"], trust_env=False) as client,
+        serving(worker),
+    ):
+        assert worker.transport == "websocket"
+        run = client.start(wf, "authorized")
+        assert run.result(timeout=20) == "authorized"
+    with (
+        stepd.Client(auth_net.url, key=KEYS["worker"], trust_env=False) as as_worker,
+        pytest.raises(stepd.Forbidden),
+    ):
+        as_worker.start(wf)
 
 
 def test_unavailable_is_retried_for_idempotent_calls_only(net: NetDaemon,
                                                           make_proxy: Any) -> None:
     proxy: Proxy = make_proxy(net)
     proxy.unavailable = 2
-    with stepd.Client(proxy.url, trust_env=False, retries=3) as client:
-        with pytest.raises(stepd.NotFound):  # two 503s, then the real answer
-            client.status("r_doesnotexist")
+    with (
+        stepd.Client(proxy.url, trust_env=False, retries=3) as client,
+        pytest.raises(stepd.NotFound),
+    ):  # two 503s, then the real answer
+        client.status("r_doesnotexist")
     assert proxy.answered_503 == 2
     proxy.unavailable = 10
-    with stepd.Client(proxy.url, trust_env=False, retries=2) as client:
-        with pytest.raises(stepd.Unavailable):
-            list(client.list_runs())
+    with (
+        stepd.Client(proxy.url, trust_env=False, retries=2) as client,
+        pytest.raises(stepd.Unavailable),
+    ):
+        list(client.list_runs())
     assert proxy.answered_503 == 2 + 3  # the first try and two retries
     proxy.unavailable = 10
-    with stepd.Client(proxy.url, trust_env=False, retries=3) as client:
-        with pytest.raises(stepd.Unavailable):  # a signal is not repeated
-            client.signal("r_doesnotexist", "go")
+    with (
+        stepd.Client(proxy.url, trust_env=False, retries=3) as client,
+        pytest.raises(stepd.Unavailable),
+    ):  # a signal is not repeated
+        client.signal("r_doesnotexist", "go")
     assert proxy.answered_503 == 2 + 3 + 1
     proxy.unavailable = 0
-    with stepd.Client("http://127.0.0.1:9", trust_env=False, retries=1) as client:
-        with pytest.raises(stepd.Unavailable) as err:  # nothing listens there
-            client.status("r_x")
+    with (
+        stepd.Client("http://127.0.0.1:9", trust_env=False, retries=1) as client,
+        pytest.raises(stepd.Unavailable) as err,
+    ):  # nothing listens there
+        client.status("r_x")
     assert "cannot reach" in str(err.value)
