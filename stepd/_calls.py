@@ -77,6 +77,8 @@ class LeaseCalls:
 
         def _pass_on(self, runner: Runner) -> None: ...
 
+        def accept(self, lease: dict[str, Any]) -> None: ...
+
 
     async def _call(self, op: str, lease_id: str, body: dict[str, Any], *,
                     give_up_s: float | None = None, after: Active | None = None,
@@ -150,6 +152,15 @@ class LeaseCalls:
                     started.started_state = 0
                 failure, tried = exc, channel
 
+    def _answered(self, answer: dict[str, Any]) -> None:
+        """A ``complete``'s answer may carry the worker's next lease (``claim_next``,
+        `Channel.answers_leases`): taken as any lease that arrives, by the runner
+        reporting when there is one (`stepd._bodies.REPORTING`)."""
+        leases = answer.get("leases")
+        if leases:
+            for lease in leases:
+                self.accept(lease)
+
     async def _call_once(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
         channel = self._channel
         if channel is None:
@@ -212,13 +223,19 @@ class LeaseCalls:
         try:
             try:
                 if runner is None:
-                    await self._call(op, lease_id, body,
-                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                    answer = await self._call(op, lease_id, body,
+                                              give_up_s=max(30.0, 2 * self._lease_ttl_s),
+                                              after=after)
+                    if answer:  # `{}` but for a lease in it (`claim_next`): no call
+                        self._answered(answer)
                 else:  # `REPORTING` names the runner (`_after_body`); it takes offers now
                     runner.reporting = True
                     try:
-                        await self._call(op, lease_id, body,
-                                         give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                        answer = await self._call(op, lease_id, body,
+                                                  give_up_s=max(30.0, 2 * self._lease_ttl_s),
+                                                  after=after)
+                        if answer:
+                            self._answered(answer)
                     except BaseException:
                         runner.reporting = False
                         self._pass_on(runner)
@@ -233,8 +250,9 @@ class LeaseCalls:
                     log.warning("worker %s: local steps of lease %s refused: %s; completing "
                                 "without them", self.name, lease_id, exc)
                     body = {k: v for k, v in body.items() if k != "local_steps"}
-                    await self._call(op, lease_id, body,
-                                     give_up_s=max(30.0, 2 * self._lease_ttl_s), after=after)
+                    self._answered(await self._call(
+                        op, lease_id, body, give_up_s=max(30.0, 2 * self._lease_ttl_s),
+                        after=after))
                     return
                 # The daemon refused what the body produced (output not JSON, a
                 # state patch that is not an object, an unknown error class...):

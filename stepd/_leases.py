@@ -233,13 +233,15 @@ class LeaseProtocol(LeaseRunners):
     async def _after_body(self, runner: Runner, active: Active, outcome: tuple[Any, ...]) -> None:
         # `complete` never overtakes `started`: it waits for started's answer, or
         # (one WebSocket) follows it on the wire (`_call`'s `after`).
-        if self._daemon is None:
+        channel = self._channel
+        if self._daemon is None and (channel is None or not channel.answers_leases):
             await self._report(active, outcome)
             self._release(runner, active)
             return
         # In process, a lease offered while this runner's `complete` is in flight (the
         # run's next step), or when the slot it frees is granted back (the credit, in
-        # `_release`), is this runner's to take when it parks (`_bodies.REPORTING`).
+        # `_release`), is this runner's to take when it parks (`_bodies.REPORTING`);
+        # over HTTP, the lease the `complete`'s answer carries (``claim_next``).
         token = REPORTING.set(runner)
         try:
             await self._report(active, outcome, runner)

@@ -61,7 +61,9 @@ class LeaseRunners(LeaseCalls):
         """A lease arrived (from any channel): the runner reporting in this task takes it
         when its call returns (`stepd._bodies.REPORTING`), else an idle runner, else a new one."""
         self.running += 1
-        if self._daemon is not None:  # in process: the only channel that offers inside a call
+        channel = self._channel
+        if self._daemon is not None or (channel is not None and channel.answers_leases):
+            # In process, or a lease in a call's answer (HTTP): offered inside a call.
             reporting = REPORTING.get()
             if reporting is not None and reporting.reporting and reporting.handoff is None:
                 reporting.handoff = lease

@@ -253,7 +253,7 @@ def parse_heartbeat(body: Any) -> dict[str, Any]:
 
 
 _COMPLETE_KEYS: Final = frozenset({"output", "state_patch", "usage", "spans", "started",
-                                   "local_steps", "sticky_cursor", "sticky_stats"})
+                                   "claim_next", "local_steps", "sticky_cursor", "sticky_stats"})
 
 
 def parse_complete(body: Any) -> dict[str, Any]:
@@ -270,6 +270,11 @@ def parse_complete(body: Any) -> dict[str, Any]:
                                  "usage": None, "spans": []}
         if started:
             plain["started"] = True
+        claim_next = body.get("claim_next", False)
+        if claim_next is True:
+            plain["claim_next"] = True
+        elif claim_next is not False:
+            raise Invalid("must be a boolean", field="claim_next")
         return plain
     b = body if type(body) is dict else body_object(body)
     if not _COMPLETE_KEYS.issuperset(b):
@@ -294,6 +299,11 @@ def parse_complete(body: Any) -> dict[str, Any]:
         out["started"] = True
     elif started is not False:
         _folded_started(b)  # raises: not a boolean
+    claim_next = get("claim_next", False)
+    if claim_next is True:
+        out["claim_next"] = True
+    elif claim_next is not False:
+        raise Invalid("must be a boolean", field="claim_next")
     local_steps = get("local_steps")
     if local_steps is not None:
         parse_records(local_steps)
@@ -308,7 +318,7 @@ def parse_complete(body: Any) -> dict[str, Any]:
     return out
 
 
-_PLAIN_COMPLETE: Final = frozenset({"output", "started"})
+_PLAIN_COMPLETE: Final = frozenset({"output", "started", "claim_next"})
 
 
 def _folded_started(b: dict[str, Any]) -> bool:

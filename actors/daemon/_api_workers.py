@@ -179,6 +179,9 @@ class WorkerOps(ApiBase):
             "max_request_ms": self.config.max_request_ms,
             # complete/fail may carry `"started": true` (docs/leases.md "A folded started").
             "fold_started": True,
+            # a complete may ask for the next lease in its answer (docs/leases.md
+            # "The next lease in the answer").
+            "claim_next": True,
             "definitions": [
                 {"name": d.name, "version": d.version, "definition_hash": d.definition_hash}
                 for d in parsed
@@ -242,7 +245,15 @@ class WorkerOps(ApiBase):
 
         hold_ms = min(wait_ms, self.config.claim_hold_ms)
         deadline = self.clock.time_ms() + hold_ms
-        await self._tell_session(worker_id, ClaimSlots(claim, max, run_id, deadline, reply))
+        # A long-poll is handled right here when the session is idle (its ClaimSlots
+        # handler never waits): queued, it made the session busy when the worker's
+        # next `complete` arrived, and that complete's next lease (`claim_next`) went
+        # to this claim instead of its answer, and so on, step after step. A claim
+        # that does not wait (`wait_ms` 0) stays queued: handled inline, its deadline
+        # (now) would answer it before the registry's hand-over of queued slots,
+        # which its Subscribe starts, reached the session.
+        await self._tell_session(worker_id, ClaimSlots(claim, max, run_id, deadline, reply),
+                                 inline=hold_ms > 0)
         try:
             with anyio.move_on_after(hold_ms / 1000 + 0.05):
                 await done.wait()
@@ -259,16 +270,20 @@ class WorkerOps(ApiBase):
         return got[0] if got else []
 
     async def _tell_session(self, worker_id: str, message: Any,
-                            before: Callable[[], None] | None = None) -> None:
+                            before: Callable[[], None] | None = None,
+                            inline: bool = False) -> None:
         """Tell the worker's session, starting it if need be; a session killed between
         finding it and telling it is started again (a few times, then Unavailable).
-        `before` runs once the session is running, right before the tell."""
+        `before` runs once the session is running, right before the tell. `inline`:
+        handled in this call when the session is idle (`peers.tell_ref_now`: the
+        message's handler must never wait)."""
         for attempt in range(3):
             try:
                 session = await peers.ensure_session(self.services, worker_id)
                 if before is not None:
                     before()
-                await session.tell(message)
+                if not (inline and peers.tell_ref_now(session, message)):
+                    await session.tell(message)  # waits for room; ActorDead: retried
                 return
             except ActorDead as exc:
                 if attempt == 2:

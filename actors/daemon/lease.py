@@ -72,7 +72,7 @@ from .services import Services
 from .sticky import claim_of, sticky_identity
 
 COMPLETE_FIELDS: tuple[str, ...] = (
-    "output", "state_patch", "usage", "spans", "started", *GATED_FIELDS)
+    "output", "state_patch", "usage", "spans", "started", "claim_next", *GATED_FIELDS)
 """Every field a complete's body may hold: `LeaseCall.body` holds each of them (None when
 not sent), so `LeaseActor._call` reads them by subscript."""
 
@@ -242,8 +242,9 @@ class LeaseActor(Actor):
             self._arm()
             return {}
         try:
-            told = await peers.ask_run(self.s, rec.run_id,
-                                       ApplyAttempt(rec.lease_id, op, stored, event, started))
+            told = await peers.ask_run(self.s, rec.run_id, ApplyAttempt(
+                rec.lease_id, op, stored, event, started,
+                complete and body["claim_next"] is True))
         except (Fenced, RunTerminal) as exc:
             m.end(LeaseStatus.FENCED if isinstance(exc, Fenced) else LeaseStatus.RUN_TERMINAL, now)
             self._end(None)  # the worker hears it in this answer
@@ -253,6 +254,10 @@ class LeaseActor(Actor):
             stats = body["sticky_stats"] if complete else None
             if stats is not None:
                 peers.tell(self.s, f"/sessions/{rec.worker_id}", StickyReport(stats))
+            if type(told) is tuple:  # the worker's next lease, for this call's answer
+                told, lease = told
+                self._end(None, told=told)
+                return {"leases": [lease]}
             self._end(None, told=told is True)
         else:
             self._arm()

@@ -102,6 +102,7 @@ class ApplyAttempt:
     lease: Any  # dict: the updated lease record
     event: Any
     started: Any = None  # AttemptStarted, or None
+    claim_next: bool = False  # a complete asking for its worker's next lease in its answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +190,15 @@ class ForgetWorkers:
 @dataclass(frozen=True, slots=True)
 class Route:
     """Asked of the registry by a run in its own turn (`ask_now`): which session takes
-    this slot now, ``(worker_id, claim)``, counted as handed to it; None: announce it."""
+    this slot now, ``(worker_id, claim)``, counted as handed to it; None: announce it.
+
+    `answer_to`: the worker whose own call (a ``complete`` with ``claim_next``) made
+    the slot runnable; if it serves the slot, it takes it in that call's answer
+    (claim `ANSWER`), ahead of every subscription, in the slot its lease frees.
+    """
 
     spec: AttemptSpec
+    answer_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,13 +134,15 @@ def tell_ref_now(ref: ActorRef, message: Any) -> bool:
         return False
 
 
-def route_now(s: Services, spec: Any) -> tuple[str, int | None] | None:
+def route_now(s: Services, spec: Any, answer_to: str | None = None
+              ) -> tuple[str, int | None] | None:
     """Which session takes `spec` now, counted as handed to it by the registry
-    (`Route`, in the caller's turn); None: nobody now, or the registry is busy."""
+    (`Route`, in the caller's turn); None: nobody now, or the registry is busy.
+    `answer_to`: `Route.answer_to`."""
     try:
         # `fixed`'s cache read here: its call only when the ref is not cached yet.
         ref = s.fixed_refs.get("/registry") or fixed(s, "/registry")
-        routed: tuple[str, int | None] | None = ref.ask_now(Route(spec))
+        routed: tuple[str, int | None] | None = ref.ask_now(Route(spec, answer_to))
         return routed
     except _GONE:
         return None

@@ -27,6 +27,7 @@ from typing import Any
 
 from stepd.actors import Actor
 from stepd.sansio.events import AttemptSpec
+from stepd.sansio.session import ANSWER
 
 from . import peers
 from .messages import (
@@ -107,6 +108,8 @@ class RegistryActor(Actor):
 
     async def receive(self, message: Any) -> Any:
         if type(message) is Route:  # a run's, in its own turn (a step each): first, no call
+            if message.answer_to is not None:
+                return self._route_answer(message.spec, message.answer_to)
             return self._route(message.spec)
         if isinstance(message, Announce):
             for spec in message.specs:
@@ -198,6 +201,17 @@ class RegistryActor(Actor):
                     self._drop(sub)
                 return taken
         return None
+
+    def _route_answer(self, spec: AttemptSpec, worker_id: str) -> tuple[str, int | None] | None:
+        """`_route` for a slot made runnable by `worker_id`'s own ``complete`` with
+        ``claim_next``: that worker takes it in the call's answer (`ANSWER`) if it
+        serves the slot, in the slot its completed lease frees, so no subscription
+        is counted; else the slot is routed as any other."""
+        if (spec.run_id, spec.step_id, spec.item_index) not in self.queued \
+                and worker_id in self.workers \
+                and self._serves(_Sub(worker_id, None, None, 0), spec):
+            return (worker_id, ANSWER)
+        return self._route(spec)
 
     def _add(self, spec: AttemptSpec, *, front: bool) -> None:
         slot = spec_slot(spec)

@@ -289,9 +289,10 @@ class RunActor(RunOffers):
         await self._effects(tr)
         return tr
 
-    async def _apply_attempt(self, msg: ApplyAttempt) -> bool | None:
+    async def _apply_attempt(self, msg: ApplyAttempt) -> bool | tuple[bool, dict[str, Any]] | None:
         """Apply a worker's call on a lease; True when the lease's end (its complete or
-        fail) was told to its session here, with the next lease (`Offered.ended`)."""
+        fail) was told to its session here, with the next lease (`Offered.ended`);
+        with the lease for the call's answer beside it when it asked (``claim_next``)."""
         now = self.s.clock.time_ms()
         if msg.op is Op.STARTED:
             self._sample_schedule_to_start(msg.event, now)
@@ -334,7 +335,8 @@ class RunActor(RunOffers):
         if msg.op is Op.COMPLETE or msg.op is Op.FAIL:
             ending = (msg.lease_id, msg.lease["worker_id"])
         try:
-            told = await self._commit(tr, ending=ending, guard=store.LeaseGuard(msg.lease_id, msg.op),
+            told = await self._commit(tr, ending=ending, answer=msg.claim_next,
+                                      guard=store.LeaseGuard(msg.lease_id, msg.op),
                                       leases=[msg.lease])
         except Conflict as exc:
             # Memory said yes, the durable record says no: memory is wrong. Crash;

@@ -45,6 +45,7 @@ from stepd.sansio.events import (
     Withdraw,
 )
 from stepd.sansio.lease import LeaseRecord
+from stepd.sansio.session import ANSWER
 
 from . import ids, peers, store
 from .messages import (
@@ -63,8 +64,9 @@ __all__ = ["RunOffers"]
 
 
 #: An offer made before the commit that holds it, handed over after that commit:
-#: (the session that takes it, its slot, what the worker gets, the lease record).
-_Ahead = tuple[ActorRef, AttemptSpec, dict[str, Any], LeaseRecord]
+#: (the session that takes it, its slot, what the worker gets, the lease record,
+#: whether it goes out in the answer to its worker's own call: `Route.answer_to`).
+_Ahead = tuple[ActorRef, AttemptSpec, dict[str, Any], LeaseRecord, bool]
 
 
 class RunOffers(RunWrites):
@@ -73,13 +75,16 @@ class RunOffers(RunWrites):
     # ------------------------------------------------------------------ commits
 
     async def _commit(self, tr: Transition, *, ending: tuple[str, str] | None = None,
-                      **extra: Any) -> bool:
+                      answer: bool = False, **extra: Any) -> bool | tuple[bool, dict[str, Any]]:
         """Persist `tr` (with `extra`'s parts of the write), its offers made ahead in it.
 
         `ending`: (lease id, worker id) of a lease this write ends by its own call
         (a complete or fail). When that worker's session takes an offer here,
         the end rides the offer (`Offered.ended`) and True says so: its lease
         actor then tells the session nothing (one message per step fewer).
+        `answer`: that call asked for its worker's next lease in its answer
+        (``claim_next``); the lease, if one went that way, is returned beside that
+        flag.
         """
         if not tr.journal and not extra.get("leases") and not extra.get("inbox_done"):
             # Nothing happened (a tick with nothing due, a refused signal). Still
@@ -87,7 +92,7 @@ class RunOffers(RunWrites):
             # alive by its mailbox must not be left without one.
             self._arm()
             return False
-        ahead = self._offer_ahead(tr)
+        ahead = self._offer_ahead(tr, ending[1] if answer and ending is not None else None)
         if ahead:
             # A copy (the caller's list stays its own), without `list` and `get` calls.
             leases = extra["leases"] = [*extra["leases"]] if "leases" in extra else []
@@ -107,10 +112,11 @@ class RunOffers(RunWrites):
             return self._hand_over(ahead, on_record=True, ending=ending)
         return False
 
-    def _offer_ahead(self, tr: Transition) -> list[_Ahead]:
+    def _offer_ahead(self, tr: Transition, answer_to: str | None = None) -> list[_Ahead]:
         """Offer `tr`'s runnable slots that a session takes now, into `tr` itself
         (its journal; the lease records go with the write); the rest stay in its
-        `Runnable` effect, for the registry's queue."""
+        `Runnable` effect, for the registry's queue. `answer_to`: `Route.answer_to`,
+        for the first slot only (the one slot the completed lease frees)."""
         effects = tr.effects
         ahead: list[_Ahead] = []
         more: list[Any] = []  # the offers' own effects (none today), after tr's
@@ -126,13 +132,15 @@ class RunOffers(RunWrites):
                 left = []
                 moved = False
                 for spec in effect.attempts:
-                    taken = self._take(spec, now)
+                    taken = self._take(spec, now, answer_to)
                     if taken is None:
                         left.append(spec)
                         continue
                     moved = True
                     if taken is not True:
-                        ref, who = taken
+                        ref, who, answered = taken
+                        if answered:
+                            answer_to = None
                         made = self._made_offer(spec, who, now)
                         if made is None:
                             peers.tell_ref_now(ref, Offered(spec, None, now))
@@ -141,7 +149,7 @@ class RunOffers(RunWrites):
                         tr.journal += offer_tr.journal  # `+=`: no `extend` call
                         if offer_tr.effects:
                             more += offer_tr.effects
-                        ahead.append((ref, spec, lease, record))
+                        ahead.append((ref, spec, lease, record, answered))
                 if moved:  # some went to a session: the rest stay runnable
                     effects[i] = Runnable(tuple(left))
         if more:
@@ -158,13 +166,15 @@ class RunOffers(RunWrites):
         return isinstance(raw, dict)
 
     def _hand_over(self, ahead: list[_Ahead], *, on_record: bool,
-                   ending: tuple[str, str] | None = None) -> bool:
+                   ending: tuple[str, str] | None = None) -> bool | tuple[bool, dict[str, Any]]:
         """The sessions get the leases offered ahead (their actors started first), or,
         when the offers are not on record, the slots back. True: the first offer to
-        `ending`'s worker carried that lease's end (see `_commit`)."""
+        `ending`'s worker carried that lease's end (see `_commit`); with the lease
+        that goes out in that worker's answer, when there is one."""
         e = self.s
         told = False
-        for session, spec, lease, record in ahead:
+        answered = None
+        for session, spec, lease, record, to_answer in ahead:
             if on_record:
                 peers.start_lease(e, record)
                 ended = None
@@ -172,25 +182,28 @@ class RunOffers(RunWrites):
                     ended = ending[0]
                 sent = peers.tell_ref_now(session, Offered(spec, lease, record.offered_at, ended))
                 told = told or (ended is not None and sent)
+                if to_answer:
+                    answered = lease
             else:
                 peers.tell_ref_now(session, Offered(spec, None, record.offered_at))
-        return told
+        return told if answered is None else (told, answered)
 
     # ------------------------------------------------------------------ offers
 
-    def _take(self, spec: AttemptSpec, now: int
-              ) -> tuple[ActorRef, OfferAs] | Literal[True] | None:
+    def _take(self, spec: AttemptSpec, now: int, answer_to: str | None = None
+              ) -> tuple[ActorRef, OfferAs, bool] | Literal[True] | None:
         """Which session takes `spec` now (this turn's `now`), and as whom (`Route`, then
         `TakeSlot`).
 
-        Returns the session and its worker; True when the slot went elsewhere
-        (queued to a busy session as the registry's own `SlotFor`, or given
-        back by the session); None when nobody takes it now (announce it).
+        Returns the session, its worker, and whether the lease goes out in the
+        answer to `answer_to`'s own call (`Route.answer_to`); True when the slot
+        went elsewhere (queued to a busy session as the registry's own `SlotFor`,
+        or given back by the session); None when nobody takes it now (announce it).
         """
         if spec.session is not None:
             return None  # a worker session's step: its holder, through the registry's queue
         e = self.s
-        routed = peers.route_now(e, spec)
+        routed = peers.route_now(e, spec, answer_to)
         if routed is None:
             return None
         worker_id, claim = routed
@@ -199,13 +212,17 @@ class RunOffers(RunWrites):
             try:
                 who: OfferAs | None = ref.ask_now(TakeSlot(spec, claim, now))
             except WouldBlock:
+                if claim == ANSWER:
+                    # Only this turn can put it in the call's answer: announce it
+                    # instead (the registry counted nothing for it).
+                    return None
                 ref.tell_nowait(SlotFor(spec, claim))  # the registry's own hand-over
                 return True
         except (ActorDead, ActorNotFound, WouldBlock):
             return None  # the registry queues it; that session's next incarnation subscribes
         if who is None:
             return True  # the session could not take it and gave it back (`ReturnSpecs`)
-        return ref, who
+        return ref, who, claim == ANSWER
 
     def _made_offer(self, spec: AttemptSpec, who: Offer | OfferAs, now: int
                     ) -> tuple[Transition, LeaseRecord, dict[str, Any]] | None:
@@ -257,7 +274,7 @@ class RunOffers(RunWrites):
             return False
         if taken is True:
             return True
-        ref, who = taken
+        ref, who, _ = taken  # not answered: no call of its worker made this slot runnable
         made = self._made_offer(spec, who, now)
         lease = None
         if made is not None:

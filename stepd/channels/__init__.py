@@ -75,6 +75,11 @@ class Channel(abc.ABC):
     (one WebSocket: frames arrive in order, and the daemon applies a lease's frames in
     arrival order). Then `complete` may be sent right behind `started`, unanswered,
     and `send_soon` is available."""
+    answers_leases: bool = False
+    """A ``complete`` on this channel asks for the worker's next lease in its answer
+    (``claim_next``, docs/leases.md "The next lease in the answer"; set once the
+    daemon's register answer says it takes it): the runner that reports takes it
+    (`stepd._bodies.REPORTING`)."""
 
     @abc.abstractmethod
     async def register(self, body: dict[str, Any]) -> dict[str, Any]: ...

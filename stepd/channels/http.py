@@ -293,10 +293,17 @@ class HttpChannel(Channel):
         return answer if type(answer) is dict else {}
 
     async def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.send(_wire.register(body))
+        answer = await self.send(_wire.register(body))
+        # A daemon that does not say it takes `claim_next` would refuse the key (400).
+        self.answers_leases = answer.get("claim_next") is True
+        return answer
 
     async def call(self, op: str, lease_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        if op == "history":  # the one GET among the lease calls
+        if op == "complete" and self.answers_leases and not (self._stopped or self._ended):
+            # The run's next step comes back in this answer rather than in a claim's
+            # (one request a step, not two): the slot this lease frees takes it.
+            body = {**body, "claim_next": True}
+        elif op == "history":  # the one GET among the lease calls
             return await self._post(op, lease_path(op, lease_id), None, method="GET")
         return await self._post(op, lease_path(op, lease_id), body)
 

@@ -31,11 +31,12 @@ credit are tied to the connection that granted them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from .events import AttemptSpec
 
 __all__ = [
+    "ANSWER",
     "Answer",
     "ClaimReady",
     "Expire",
@@ -51,6 +52,11 @@ __all__ = [
 ]
 
 SlotKey = tuple[str, str, "int | None"]  # (run_id, step_id, item_index)
+
+ANSWER: Final = -1
+"""The claim of a slot that goes out in the answer to its worker's own call (a
+``complete`` with ``claim_next``), not to a push connection or a waiting claim: the
+slot the completed lease frees takes it, so neither credit nor a claim is used."""
 
 
 def _held(lease: dict[str, Any]) -> dict[str, Any]:
@@ -254,13 +260,14 @@ class SessionMachine:
     # ------------------------------------------------------------------ slots and leases
 
     def slot(self, spec: AttemptSpec, claim: int | None, now: int) -> list[Action]:
-        """The registry hands this session one runnable slot (for a claim, or push credit)."""
+        """The registry hands this session one runnable slot (for a claim, push credit, or
+        the answer to its worker's own call: `ANSWER`)."""
         if claim is None:
             if self.attached is None:
                 return [Return((spec,))]  # the connection went away meanwhile
             if self.credit > 0:
                 self.credit -= 1
-        else:
+        elif claim != ANSWER:
             c = self.claims.get(claim)
             if c is None:
                 return [Return((spec,))]  # the claim was answered or abandoned meanwhile
@@ -282,6 +289,10 @@ class SessionMachine:
                 return [Release(lease["lease_id"])]
             self.held[lease["lease_id"]] = _held(lease)
             return [PushLease(lease)]
+        if claim == ANSWER:  # the worker's call answers with it: only held here
+            if lease is not None:
+                self.held[lease["lease_id"]] = _held(lease)
+            return out
         c = self.claims.get(claim)
         if c is None:
             return [] if lease is None else [Release(lease["lease_id"])]

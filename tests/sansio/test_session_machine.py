@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from stepd.sansio.events import AttemptSpec
 from stepd.sansio.session import (
+    ANSWER,
     Answer,
     ClaimReady,
     Expire,
@@ -170,3 +171,20 @@ def test_frames_of_one_lease_wait_for_each_other_only() -> None:
     assert len(order) == 0
     _, again = order.arrive("l_a")
     assert again is None
+
+
+def test_a_slot_for_the_answer_uses_neither_credit_nor_a_claim() -> None:
+    """`ANSWER`: the lease goes out in the worker's own `complete` (``claim_next``)."""
+    m = machine()
+    assert m.claim(5, 3, None, 100, 0) == [Subscribe(3, 5, None)]
+    s = spec()
+    assert m.slot(s, ANSWER, 1) == [Offer(s, ANSWER)]
+    assert m.claims[5].pending == 0  # the waiting claim is not touched
+    assert m.offered(s, lease("l_1"), 2) == []  # nothing pushed, no claim answered
+    assert m.holds("l_1") and m.claims[5].leases == []
+    assert m.lease_ended("l_1", None, 3) == [] and not m.holds("l_1")
+    # Not on record (the commit failed): nothing to give back.
+    s2 = spec(step="b")
+    m.slot(s2, ANSWER, 4)
+    assert m.offered(s2, None, 5) == []
+    assert not m.in_hand
