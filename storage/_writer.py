@@ -170,6 +170,7 @@ class Writer:
         self._failed_commits = 0
         self._map_growths = 0
         self._max_batch_size = 0
+        self._taken_deferred = 0  # of the batch `_take` returned last
         self._batch_sizes = [0] * 12  # sizes up to 2**11 = 2048 > max_batch
         self._map_size = env.info()["map_size"]
 
@@ -271,9 +272,17 @@ class Writer:
                     return []
                 else:
                     self._cond.wait()
-            n = min(len(self._queue), self._max_batch)
-            batch = [self._queue.popleft() for _ in range(n)]
-            self._awaited_queued -= sum(1 for r in batch if not r.deferred)
+            queue = self._queue
+            if len(queue) <= self._max_batch:  # the usual case: take it all
+                batch = list(queue)
+                queue.clear()
+            else:
+                batch = [queue.popleft() for _ in range(self._max_batch)]
+            deferred = 0
+            for r in batch:
+                deferred += r.deferred
+            self._awaited_queued -= len(batch) - deferred
+            self._taken_deferred = deferred
             return batch
 
     def _execute(self, batch: list[Request]) -> None:
@@ -282,7 +291,7 @@ class Writer:
         self._max_batch_size = max(self._max_batch_size, len(batch))
         self._batch_sizes[(len(batch) - 1).bit_length()] += 1
         self._requests += len(batch)
-        self._deferred_requests += sum(1 for r in batch if r.deferred)
+        self._deferred_requests += self._taken_deferred
         with self._cond:
             injected, self._fail_next_commit = self._fail_next_commit, None
         self._run_batch(batch, injected)
@@ -313,7 +322,9 @@ class Writer:
                 self._fail(batch, lambda: CommitFailed("the batch's commit failed"), exc.cause)
                 return
             self._commits += 1
-            self._failed_requests += sum(1 for r in batch if r.error is not None)
+            for r in batch:
+                if r.error is not None:
+                    self._failed_requests += 1
             self._call_soon(self._deliver, batch)
             return
 
