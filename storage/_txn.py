@@ -210,8 +210,9 @@ class WriteTxn(ReadTxn):
         if txn is None or db is None:
             return self.put_raw(table, key, data, overwrite=overwrite)
         try:
-            return txn.put(key if type(key) is bytes else to_key(key), data,
-                           overwrite=overwrite, db=db)
+            kind = type(key)
+            raw = key if kind is bytes else key.encode() if kind is str else to_key(key)
+            return txn.put(raw, data, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
             self._on_map_full()
             raise
