@@ -210,8 +210,7 @@ class WriteTxn(ReadTxn):
         if txn is None or db is None:
             return self.put_raw(table, key, data, overwrite=overwrite)
         try:
-            kind = type(key)
-            raw = key if kind is bytes else key.encode() if kind is str else to_key(key)
+            raw = key if type(key) is bytes else key.encode() if type(key) is str else to_key(key)
             return txn.put(raw, data, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
             self._on_map_full()
