@@ -165,7 +165,8 @@ class WriteTxn(ReadTxn):
         dbs: Mapping[str, lmdb._Database],
         on_map_full: Callable[[], None],
     ) -> None:
-        super().__init__(txn, dbs)
+        self._txn = txn  # `ReadTxn.__init__`, spelled out: one per write request
+        self._dbs = dbs
         # Called when LMDB reports the map full, so the writer grows the map
         # and re-runs the batch even if the request function swallows the error.
         self._on_map_full = on_map_full

@@ -396,13 +396,13 @@ class Writer:
                 try:
                     value = req.fn(wtxn, *req.args)
                 except Exception as exc:
-                    wtxn._finish()
+                    wtxn._txn = None  # `_finish`, spelled out: invalid from here on
                     child.abort()
                     if map_full or isinstance(exc, lmdb.MapFullError):
                         raise _MapFull from exc
                     req.error = exc
                     continue
-                wtxn._finish()
+                wtxn._txn = None
                 if map_full:  # the function swallowed a MapFullError
                     child.abort()
                     raise _MapFull
