@@ -23,13 +23,16 @@ _pool = b""
 _pool_at = 0
 
 
-def _drop_pool() -> None:
-    """A forked child must not reuse its parent's random bytes."""
-    global _pool, _pool_at
-    _pool, _pool_at = b"", 0
+def _forked() -> None:
+    """A forked child must not reuse its parent's random bytes, nor continue its
+    monotonic sequence: two processes adding one to the same `_last` in the same
+    millisecond would make the same id. The child's ids are monotonic among
+    themselves, as the module promises ("within this process")."""
+    global _last, _pool, _pool_at
+    _last, _pool, _pool_at = 0, b"", 0
 
 
-os.register_at_fork(after_in_child=_drop_pool)
+os.register_at_fork(after_in_child=_forked)
 
 
 def ulid(time_ms: int) -> str:
