@@ -78,7 +78,8 @@ class UsedAfterFork(StorageError):
     """The storage was opened in another process (this one is a fork child).
 
     LMDB forbids using an environment across ``fork()`` and py-lmdb does not
-    check it, so the storage checks ``os.getpid()`` on every operation. Open a
+    check it, so the storage checks on every operation (a count bumped in a fork
+    child by ``os.register_at_fork``, and then ``os.getpid()``). Open a
     new storage in the child instead (after the parent has closed its own, or
     from a fresh process).
     """

@@ -27,6 +27,20 @@ __all__ = ["StorageReads"]
 Ts = TypeVarTuple("Ts")
 T = TypeVar("T")
 
+#: How many times this process is a fork child of one that imported this module:
+#: bumped in the child (``os.register_at_fork``), so a storage opened before the
+#: fork sees another count than its own. A global read per operation instead of an
+#: ``os.getpid()`` call (two writes a step on the event loop).
+FORKS = 0
+
+
+def _forked() -> None:
+    global FORKS
+    FORKS += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class StorageReads:
     """Reads of one open environment (the read half of `Storage`).
@@ -37,6 +51,7 @@ class StorageReads:
         _gate: held shared by a read, exclusively by a map resize and the close.
         _closed: the environment is closed.
         _pid: the process that opened it (a forked child may not use it).
+        _forks: `FORKS` when it was opened (the same guard without a call).
     """
 
     _env: lmdb.Environment
@@ -45,9 +60,11 @@ class StorageReads:
     _closed: bool
     _pid: int
 
+    _forks: int  # `FORKS` when it was opened
+
     def _check_pid(self) -> None:
         """The fork guard every entry point runs first, reads and writes alike."""
-        if os.getpid() != self._pid:
+        if FORKS != self._forks or os.getpid() != self._pid:
             raise UsedAfterFork(
                 f"this storage was opened by process {self._pid}; it cannot be used in "
                 f"process {os.getpid()} (a fork child): open it anew there"
@@ -68,7 +85,8 @@ class StorageReads:
             UsedAfterFork: called in a forked child.
             UnknownTable: ``fn`` named an undeclared table.
         """
-        self._check_pid()
+        if FORKS != self._forks:
+            self._check_pid()
         with self._gate.shared():
             if self._closed:
                 raise StorageClosed("the storage is closed")

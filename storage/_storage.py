@@ -33,6 +33,7 @@ import sniffio
 
 from stepd.actors import Waiter
 
+from . import _reads
 from ._env import REGISTRY, Gate, OpenEnv, check_tables, open_env
 from ._errors import StorageClosed
 from ._reads import StorageReads
@@ -98,6 +99,7 @@ class Storage(StorageReads):
         self._dbs = opened.dbs
         self._tables = tables
         self._pid = os.getpid()
+        self._forks = _reads.FORKS
         self._loop_thread = threading.get_ident()
         self._clock = clock
         self._gate = Gate()
@@ -322,14 +324,22 @@ class Storage(StorageReads):
             UsedAfterFork: called in a forked child.
             RuntimeError: called from another thread than the event loop's.
         """
-        self._check_pid()
+        if _reads.FORKS != self._forks:
+            self._check_pid()
         if threading.get_ident() != self._loop_thread:
             raise RuntimeError(
                 "await storage.write() from the event loop that opened the storage"
             )
+        if self._closing:
+            raise StorageClosed("the storage is closed or closing; no more writes")
         event = Waiter()  # one waiter, set on this loop: no anyio.Event machinery
         req = Request(fn, args, event, self._clock())
-        self._submit(req)
+        # `_submit`'s loop-thread half, spelled out (two writes a step)
+        self._unsettled += 1
+        staged = self._staged
+        staged.append(req)
+        if len(staged) == 1:
+            self._local_call_soon(self._flush_staged)
         await event.wait()
         if req.error is not None:
             raise req.error

@@ -129,7 +129,7 @@ class Writer:
 
     ``run`` is the thread's target. Everything else is called from other
     threads (the event loop's, mostly) and only touches the queue under its
-    condition variable, or reads counters.
+    lock (``_mutex``), or reads counters.
     """
 
     def __init__(
@@ -154,7 +154,14 @@ class Writer:
         self._clock = clock
         self._call_soon = call_soon
         self._deliver = deliver
-        self._cond = threading.Condition(threading.Lock())
+        # The queue's lock, and the writer's wake-up: a plain lock it blocks on
+        # (held = no wake-up pending), released by whoever queues work while it
+        # sleeps. Not a `threading.Condition`: its notify and context manager are
+        # ~8 Python calls per batch on the event loop (see `_take`).
+        self._mutex = threading.Lock()
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._sleeping = False  # the writer blocks (or is about to) on `_wake`
         self._queue: collections.deque[Request] = collections.deque()
         self._awaited_queued = 0
         self._stopping = False
@@ -170,6 +177,7 @@ class Writer:
         self._failed_commits = 0
         self._map_growths = 0
         self._max_batch_size = 0
+        self._taken_deferred = 0  # of the batch `_take` returned last
         self._batch_sizes = [0] * 12  # sizes up to 2**11 = 2048 > max_batch
         self._map_size = env.info()["map_size"]
 
@@ -182,7 +190,7 @@ class Writer:
             StorageClosed: the storage is closing or its writer has stopped
                 (then none of ``requests`` is queued).
         """
-        with self._cond:
+        with self._mutex:
             if self._dead is not None:
                 raise StorageClosed("the storage writer thread died") from self._dead
             if self._stopping:
@@ -191,13 +199,17 @@ class Writer:
             for r in requests:
                 if not r.deferred:
                     self._awaited_queued += 1
-            self._cond.notify()
+            if self._sleeping:
+                self._sleeping = False
+                self._wake.release()
 
     def request_stop(self) -> None:
         """Refuse new requests; the thread drains the queue, commits, and exits."""
-        with self._cond:
+        with self._mutex:
             self._stopping = True
-            self._cond.notify()
+            if self._sleeping:
+                self._sleeping = False
+                self._wake.release()
 
     def fail_next_commit(self, exc: BaseException) -> None:
         """Test hook: the next batch to start fails at its commit with ``exc``.
@@ -205,11 +217,11 @@ class Writer:
         The batch runs for real and is aborted instead of committed, which is
         what a failed ``mdb_txn_commit`` leaves behind.
         """
-        with self._cond:
+        with self._mutex:
             self._fail_next_commit = exc
 
     def statistics(self) -> StorageStatistics:
-        with self._cond:
+        with self._mutex:
             queued = len(self._queue)
         return StorageStatistics(
             requests=self._requests,
@@ -241,7 +253,7 @@ class Writer:
                 batch = []
         except BaseException as exc:  # a bug: fail every waiter, then propagate
             log.critical("storage writer thread died", exc_info=True)
-            with self._cond:
+            with self._mutex:
                 self._dead = exc
                 pending = batch + list(self._queue)
                 self._queue.clear()
@@ -255,26 +267,53 @@ class Writer:
             raise
 
     def _take(self) -> list[Request]:
-        """Wait for work; return the next batch, or ``[]`` once stopped and drained."""
-        with self._cond:
-            while True:
-                if self._queue:
+        """Wait for work; return the next batch, or ``[]`` once stopped and drained.
+
+        The wake-up protocol: under ``_mutex`` the writer finds nothing to take
+        and sets ``_sleeping``, then blocks on ``_wake``; a submitter that finds
+        ``_sleeping`` set clears it and releases ``_wake``, under ``_mutex``, so
+        there is at most one release per sleep and it is consumed by that sleep
+        (by the acquire, or below when the acquire timed out just before it).
+        """
+        mutex = self._mutex
+        wake = self._wake
+        while True:
+            timeout = -1.0  # until woken
+            with mutex:
+                queue = self._queue
+                if queue:
                     if self._awaited_queued or self._stopping:
-                        break
+                        return self._pop_batch()
                     # Only deferred writes: give an awaited one a chance to join
                     # them, but no longer than the flush delay of the oldest.
-                    remaining = self._queue[0].enqueued_at + self._flush_s - self._clock()
-                    if remaining <= 0:
-                        break
-                    self._cond.wait(remaining)
+                    timeout = queue[0].enqueued_at + self._flush_s - self._clock()
+                    if timeout <= 0:
+                        return self._pop_batch()
+                    timeout = min(timeout, threading.TIMEOUT_MAX)
                 elif self._stopping:
                     return []
-                else:
-                    self._cond.wait()
-            n = min(len(self._queue), self._max_batch)
-            batch = [self._queue.popleft() for _ in range(n)]
-            self._awaited_queued -= sum(1 for r in batch if not r.deferred)
-            return batch
+                self._sleeping = True
+            if not wake.acquire(timeout=timeout):
+                with mutex:
+                    if self._sleeping:  # nobody woke it
+                        self._sleeping = False
+                    else:  # woken right after the timeout: consume that release
+                        wake.acquire(blocking=False)
+
+    def _pop_batch(self) -> list[Request]:
+        """Under ``_mutex``: take up to ``max_batch`` queued requests."""
+        queue = self._queue
+        if len(queue) <= self._max_batch:  # the usual case: take it all
+            batch = list(queue)
+            queue.clear()
+        else:
+            batch = [queue.popleft() for _ in range(self._max_batch)]
+        deferred = 0
+        for r in batch:
+            deferred += r.deferred
+        self._awaited_queued -= len(batch) - deferred
+        self._taken_deferred = deferred
+        return batch
 
     def _execute(self, batch: list[Request]) -> None:
         """Run one batch to its end (commit or failure) and deliver its outcomes."""
@@ -282,8 +321,8 @@ class Writer:
         self._max_batch_size = max(self._max_batch_size, len(batch))
         self._batch_sizes[(len(batch) - 1).bit_length()] += 1
         self._requests += len(batch)
-        self._deferred_requests += sum(1 for r in batch if r.deferred)
-        with self._cond:
+        self._deferred_requests += self._taken_deferred
+        with self._mutex:
             injected, self._fail_next_commit = self._fail_next_commit, None
         self._run_batch(batch, injected)
 
@@ -313,7 +352,9 @@ class Writer:
                 self._fail(batch, lambda: CommitFailed("the batch's commit failed"), exc.cause)
                 return
             self._commits += 1
-            self._failed_requests += sum(1 for r in batch if r.error is not None)
+            for r in batch:
+                if r.error is not None:
+                    self._failed_requests += 1
             self._call_soon(self._deliver, batch)
             return
 
@@ -355,13 +396,13 @@ class Writer:
                 try:
                     value = req.fn(wtxn, *req.args)
                 except Exception as exc:
-                    wtxn._finish()
+                    wtxn._txn = None  # `_finish`, spelled out: invalid from here on
                     child.abort()
                     if map_full or isinstance(exc, lmdb.MapFullError):
                         raise _MapFull from exc
                     req.error = exc
                     continue
-                wtxn._finish()
+                wtxn._txn = None
                 if map_full:  # the function swallowed a MapFullError
                     child.abort()
                     raise _MapFull

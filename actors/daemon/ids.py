@@ -16,6 +16,23 @@ _PAIRS = tuple(a + b for a in _ALPHABET for b in _ALPHABET)
 
 
 _last = 0
+#: Random bytes fetched 640 at a time: one `getrandom` syscall per 64 ids, not
+#: one per id (a lease id is made on every step). Same source as `os.urandom`.
+_POOL_BYTES = 640
+_pool = b""
+_pool_at = 0
+
+
+def _forked() -> None:
+    """A forked child must not reuse its parent's random bytes, nor continue its
+    monotonic sequence: two processes adding one to the same `_last` in the same
+    millisecond would make the same id. The child's ids are monotonic among
+    themselves, as the module promises ("within this process")."""
+    global _last, _pool, _pool_at
+    _last, _pool, _pool_at = 0, b"", 0
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def ulid(time_ms: int) -> str:
@@ -25,8 +42,13 @@ def ulid(time_ms: int) -> str:
     still sort in the order they were made: the second is the first plus one.
     Listings newest first rely on it, and so does anything that sorts by id.
     """
-    global _last
-    value = ((time_ms & 0xFFFF_FFFF_FFFF) << 80) | int.from_bytes(os.urandom(10), "big")
+    global _last, _pool, _pool_at
+    at = _pool_at
+    if at + 10 > len(_pool):
+        _pool = os.urandom(_POOL_BYTES)
+        at = 0
+    _pool_at = at + 10
+    value = ((time_ms & 0xFFFF_FFFF_FFFF) << 80) | int.from_bytes(_pool[at:at + 10], "big")
     if value <= _last:
         value = _last + 1
     _last = value

@@ -54,6 +54,9 @@ class LeaseStatus(IdentityEnum):
 
 
 _LIVE = frozenset(s for s in LeaseStatus if s.live)
+#: By stored value: `LeaseStatus(value)` is two Python calls (the enum's `__call__`
+#: and `__new__`), and the writer reads a lease record on every worker call.
+_BY_VALUE: dict[str, LeaseStatus] = {s.value: s for s in LeaseStatus}
 
 
 class Op(IdentityEnum):
@@ -119,7 +122,7 @@ class LeaseRecord:
             worker_id=d["worker_id"],
             worker_name=d["worker_name"],
             delivery=d["delivery"],
-            status=LeaseStatus(d["status"]),
+            status=_BY_VALUE.get(d["status"]) or LeaseStatus(d["status"]),
             started=d["started"],
             offered_at=d["offered_at"],
             ended_at=d["ended_at"],

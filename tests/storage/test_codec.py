@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
 
+import msgpack  # type: ignore[import-untyped]  # no stubs published
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -97,3 +99,33 @@ json_like = st.recursive(
 @given(json_like)
 def test_round_trip_property(value: object) -> None:
     assert decode(encode(value)) == value
+
+
+def test_a_failed_encode_leaves_the_next_one_whole() -> None:
+    # encode reuses one Packer per thread: a value it refused halfway must not
+    # leave bytes behind in the next one's output
+    with pytest.raises(TypeError):
+        encode({"a": [1, 2, object()]})
+    with pytest.raises(OverflowError):
+        encode(["x", 2**64])
+    assert encode({"b": [1, "two"]}) == msgpack.packb({"b": [1, "two"]}, use_bin_type=True)
+
+
+def test_threads_encoding_at_once_get_their_own_bytes() -> None:
+    # the event loop's thread and the writer's both encode, each with its own Packer
+    errors: list[str] = []
+
+    def encode_many(n: int) -> None:
+        for i in range(2_000):
+            value = {"thread": n, "i": i, "pad": "x" * (i % 50)}
+            if decode(encode(value)) != value:
+                errors.append(f"thread {n} value {i}")
+                return
+
+    threads = [threading.Thread(target=encode_many, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []

@@ -147,6 +147,15 @@ async def test_use_after_fork_refused(tmp_path: Path) -> None:
                     code |= 2
                 except UsedAfterFork:
                     pass
+                # the awaited write refuses before its first await (no loop needed)
+                write = storage.write(put_txn, "k", 2)
+                try:
+                    write.send(None)
+                    code |= 8
+                except UsedAfterFork:
+                    pass
+                finally:
+                    write.close()
             except BaseException:  # noqa: BLE001 - reported through the exit code
                 code |= 4
             os._exit(code)

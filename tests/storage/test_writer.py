@@ -250,6 +250,35 @@ async def test_a_burst_of_deferred_writes_is_flushed_by_one_commit(tmp_path: Pat
         assert [v for _, v in storage.scan("runs")] == sorted(range(100), key=lambda i: f"d{i}")
 
 
+async def test_the_writer_wakes_for_submissions_racing_its_timed_waits(tmp_path: Path) -> None:
+    # A 1 ms flush delay keeps the writer in short timed waits while other threads
+    # queue deferred writes and the loop awaited ones: a wake-up landing just as a
+    # wait times out must neither be lost (a write left queued) nor released twice.
+    per_thread = 300
+    async with Storage.open(tmp_path / "db", deferred_flush_ms=1) as storage:
+        before = storage.statistics()
+
+        def submit_from_thread(n: int) -> None:
+            for i in range(per_thread):
+                storage.write_deferred(put_txn, f"t{n}-{i}", i)
+                if i % 7 == 0:
+                    time.sleep(0.0005)  # land some submissions inside a timed wait
+
+        async with anyio.create_task_group() as tg:
+            for n in range(3):
+                tg.start_soon(anyio.to_thread.run_sync, submit_from_thread, n)
+            for i in range(100):
+                await storage.write(put_txn, f"w{i}", i)
+        await storage.write(noop_txn)  # everything queued before it is on record
+        stats = storage.statistics()
+        assert stats.requests - before.requests == 3 * per_thread + 101
+        assert stats.failed_requests == before.failed_requests
+        assert stats.queued == 0
+        for n in range(3):
+            assert storage.get("runs", f"t{n}-{per_thread - 1}") == per_thread - 1
+        assert len(storage.scan("runs")) == 3 * per_thread + 100
+
+
 async def test_the_flush_deadline_follows_the_given_clock(tmp_path: Path) -> None:
     now = [1000.0]
     async with Storage.open(tmp_path / "db", deferred_flush_ms=10, clock=lambda: now[0]) as storage:
