@@ -244,9 +244,11 @@ class _TaskTracking:
         if not self.requested:
             return False
         # Ours: the task's cancel request is withdrawn (whether or not the call let
-        # it through), so nothing after the block sees it.
-        self.task.uncancel()
-        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+        # it through), so nothing after the block sees it. Swallowed only when no
+        # other cancel of the task is pending (as `asyncio.timeout` does): the
+        # server's own goes on.
+        if (self.task.uncancel() == 0 and exc_type is not None
+                and issubclass(exc_type, asyncio.CancelledError)):
             self.cancelled_caught = True
             return True
         return False

@@ -112,3 +112,26 @@ def test_an_abort_is_caught_by_its_block_and_never_reaches_past_it() -> None:
 
 def test_a_cancel_the_call_swallowed_leaves_no_request_behind() -> None:
     assert asyncio.run(_tracked_call(swallow=True)) == (False, 0, True)
+
+
+def test_a_cancel_of_the_request_from_elsewhere_is_not_swallowed() -> None:
+    async def go() -> bool:
+        drain = Drain()
+        waiting = asyncio.Event()
+
+        async def call() -> None:
+            with drain.task_tracking():
+                waiting.set()
+                await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(call())
+        await waiting.wait()
+        task.cancel()  # the server's, say
+        drain.abort()  # and the drain's
+        try:
+            await asyncio.wait_for(task, 5)
+        except asyncio.CancelledError:
+            return task.cancelled() and drain.inflight == 0
+        return False
+
+    assert asyncio.run(go()) is True
