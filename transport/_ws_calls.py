@@ -18,6 +18,7 @@ the same task (queued only after that call's answer, `_HELD`).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from contextvars import ContextVar
 from typing import Any, Final
@@ -66,6 +67,9 @@ _MAX_LEASE_ID: Final = 64  # `stepd.transport._validate.is_lease_id`
 # no constructor call per frame.
 _HELD: ContextVar[list[Any] | None] = ContextVar("stepd_ws_held", default=None)
 
+_running_loop = asyncio._get_running_loop  # None under trio, without raising
+_InvalidStateError = asyncio.InvalidStateError
+
 
 class LeaseCalls(FrameWriter):
     """The calls in flight of a worker connection (`WorkerConnection` is one).
@@ -93,7 +97,10 @@ class LeaseCalls(FrameWriter):
         # The pool: `_limit` bounds the frames in flight; the pool ends once
         # reading has (`_close_pool`).
         self._calls: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._parked: list[Waiter] = []
+        # Parked handlers: on asyncio each waits on a bare future of the loop (a
+        # `Waiter` is three Python calls more per park and wake, once a step); on
+        # trio on a `Waiter`.
+        self._parked: list[Any] = []
         self._pool_size = 0
         self._pool_closing = False
         self._peer_gone = False
@@ -114,11 +121,20 @@ class LeaseCalls(FrameWriter):
             if before is None:
                 before = self._in_flight[after] = Waiter()
         self._calls.append((frame_id, LEASE_OPS[frame["op"]], frame, before, key, ticket))
-        if self._parked:
-            self._parked.pop().set()
-        else:  # every handler is busy (fewer than max_in_flight: `_limit` holds the rest)
-            self._pool_size += 1
-            self._handlers.start_soon(self._handler_loop)
+        parked = self._parked
+        while parked:
+            waiter = parked.pop()
+            if type(waiter) is Waiter:
+                waiter.set()
+                return
+            try:
+                waiter.set_result(None)
+                return
+            except _InvalidStateError:  # its handler was cancelled: it is leaving
+                continue
+        # Every handler is busy (fewer than max_in_flight: `_limit` holds the rest).
+        self._pool_size += 1
+        self._handlers.start_soon(self._handler_loop)
 
     async def _handler_loop(self) -> None:
         """One handler of the pool: answer queued lease frames; park when there are none.
@@ -127,6 +143,8 @@ class LeaseCalls(FrameWriter):
         other handlers took first (FIFO), so the pool cannot deadlock.
         """
         calls = self._calls
+        parked = self._parked
+        loop = _running_loop()
         try:
             while True:
                 if calls:
@@ -134,22 +152,26 @@ class LeaseCalls(FrameWriter):
                     continue
                 if self._pool_closing:
                     return
-                waiter = Waiter()
-                self._parked.append(waiter)
+                waiter: Any = Waiter() if loop is None else loop.create_future()
+                parked.append(waiter)
                 try:
-                    await waiter.wait()
+                    await (waiter.wait() if loop is None else waiter)
                 finally:
-                    if not waiter.is_set():
-                        self._parked.remove(waiter)
+                    if waiter in parked:  # cancelled while parked: not woken
+                        parked.remove(waiter)
         finally:
             self._pool_size -= 1
 
     def _close_pool(self) -> None:
         """Reading is over: handlers finish the queued frames, then end."""
         self._pool_closing = True
-        parked, self._parked = self._parked, []
+        parked = self._parked  # emptied in place: each handler holds this list
         for waiter in parked:
-            waiter.set()
+            if type(waiter) is Waiter:
+                waiter.set()
+            elif not waiter.done():
+                waiter.set_result(None)
+        parked.clear()
 
     async def _lease_call(self, frame_id: int, op: Operation, frame: dict[str, Any] | None,
                           before: Waiter | None, key: str | None, ticket: int) -> None:

@@ -131,7 +131,12 @@ class HttpApp:
         reply: Reply | None = None
         close = False
         gone = False
-        with protocol.tracking() as call:
+        # Under stepd's protocol a request has its task to itself: a call that is
+        # not a long-poll is cancelled (by a shutdown's `abort`) through it, with
+        # no cancel scope (`Drain.task_tracking`); a long-poll's scope is also
+        # the watch a disconnect cancels.
+        with (protocol.task_tracking() if exchange is not None and op not in LONG_POLLS
+              else protocol.tracking()) as call:
             try:
                 prepared = self._prepare(scope, op, exchange)
                 if prepared is None:  # the body is still arriving, or another server

@@ -15,6 +15,18 @@ workers). After a kill of its actor it keeps its expiry: `Services.lease_touched
 remembers each live lease's last call (or its offer) across incarnations, so
 killing it again and again cannot keep a dead worker's lease alive forever.
 
+Lazy expiry: a fresh lease (just offered, first incarnation) arms no timer
+of its own; it leaves its expiry to the timer actor's lease sweep
+(`peers.defer_expiry`), asked for once by the first lease due and then
+shared by every lease due no sooner. When the sweep comes (no later than this
+lease's expiry), the lease hears `Due`, checks its expiry and arms its own
+timer from then on. Most leases end long before their TTL, so a step arms
+no timer at all (an armed timer was ~13 calls a step). A lease started any
+other way (restarted, rebuilt) arms its own timer at once, and so does one
+whose sweep cannot be asked for; a heartbeat or a `started` re-arms as before.
+Every start of the timer actor sweeps, so no live lease is ever left with
+neither an armed timer nor a sweep due by its expiry.
+
 A lease actor is started and stopped on every attempt, so it makes nothing
 per attempt that matters only after a crash: what a successor needs is one
 entry in that per-process dict (set by the calls it records anyway), and a
@@ -128,6 +140,10 @@ class LeaseActor(Actor):
             touched.pop(lease_id, None)
             self.stop()
             return
+        if self._fresh and self.restart_reason is None:
+            expires = self.machine.expires_at
+            if peers.defer_expiry(e, expires):  # lazy expiry: see the module docstring
+                return
         self._arm()
 
     def _end(self, reason: str | None, *, told: bool = False) -> None:

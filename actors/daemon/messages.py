@@ -15,7 +15,8 @@ Who sends what (asks that wait only go run-ward, so no cycle of asks can deadloc
   in the run's own turn: the next step's slot offered with no dispatcher turn)
 * session actor -> registry: `Subscribe`, `Unsubscribe`, `ReturnSpecs`
 * API -> registry: `RegisterWorker`, `ForgetWorkers`, `RegistryStats`
-* run actor -> timer actor: `TimerIndexChanged`
+* run actor -> timer actor: `TimerIndexChanged`; lease actor -> timer actor: `LeasesDueBy`;
+  timer actor -> lease actors: `Due` (its lease sweep)
 * timers: each actor's own `Due`
 * work session -> run actor: `SessionNote` (ask); -> worker session: `SessionInfo` (ask)
 * run actor -> work session: `EnsureHolder`, `CloseSession`; API -> work session:
@@ -377,6 +378,19 @@ class TimerIndexChanged:
     """A passivated run's deadline is on record at `due` (ms): wake for it if sooner."""
 
     due: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesDueBy:
+    """A lease actor left its expiry timer unarmed (lease.py "lazy expiry"): the
+    timer actor must sweep the live leases by `due` (ms), if not sooner."""
+
+    due: int
+
+
+@dataclass(frozen=True, slots=True)
+class SweepLeases:
+    """The timer actor's own lease-sweep timer fired."""
 
 
 # --------------------------------------------------------------------------- worker sessions

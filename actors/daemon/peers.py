@@ -35,6 +35,7 @@ from .messages import (
     Announce,
     Due,
     EndLease,
+    LeasesDueBy,
     ReturnSpecs,
     Route,
     TimerIndexChanged,
@@ -48,7 +49,9 @@ __all__ = [
     "activate_run",
     "active_runs",
     "announce",
+    "arm_at",
     "ask_run",
+    "defer_expiry",
     "end_lease",
     "ensure_schedule",
     "ensure_session",
@@ -59,6 +62,7 @@ __all__ = [
     "route_now",
     "start_lease",
     "supervisors_alive",
+    "sweep_leases",
     "tell",
     "tell_fixed",
     "tell_now",
@@ -255,6 +259,49 @@ def start_lease(s: Services, record: Any, *, fresh: bool = True) -> None:
         pass
 
 
+def defer_expiry(s: Services, due_ms: int) -> bool:
+    """Leave a fresh lease's expiry timer unarmed: True when the timer actor will sweep
+    the live leases by `due_ms` (lease.py "lazy expiry"), False when the lease must
+    arm its own (the timer actor is not there to ask).
+
+    Only a lease due no sooner than the sweep already asked for costs nothing;
+    the one before it (or one due sooner) asks for the sweep.
+    """
+    at = s.lease_sweep_at
+    if at is not None and due_ms >= at:
+        return True
+    try:
+        ref = s.fixed_refs.get("/timers") or fixed(s, "/timers")
+        ref.tell_nowait(LeasesDueBy(due_ms))
+    except _GONE:
+        return False
+    s.lease_sweep_at = due_ms
+    return True
+
+
+async def sweep_leases(s: Services) -> None:
+    """Tell every live lease of this process `Due`: each checks its expiry and arms
+    its own timer for the next deadline (the timer actor's lease sweep).
+
+    The sweep asked for is cleared first, so a lease starting meanwhile asks
+    for the next one. A lease with no actor now is skipped: a restarted one
+    arms its own timer on start.
+    """
+    s.lease_sweep_at = None
+    find = s.system.find
+    for lease_id in list(s.lease_touched):
+        ref = find(f"/leases/{lease_id}")
+        if ref is None:
+            continue
+        try:
+            try:
+                ref.tell_nowait(Due())
+            except anyio.WouldBlock:  # its mailbox is full: wait for room, never drop it
+                await ref.tell(Due())
+        except (ActorDead, ActorNotFound):
+            pass
+
+
 async def timers_changed(s: Services, due_ms: int) -> None:
     """A passivated run's deadline is on record: the timer actor may need to wake sooner.
 
@@ -366,6 +413,15 @@ class DueTimer:
 
 
 _NEVER = object()
+
+
+def arm_at(s: Services, actor: Actor, name: str, due_ms: int, message: Any) -> None:
+    """Arm `actor`'s timer `name` to deliver `message` at the wall-clock deadline
+    `due_ms` (`arm_due` for any timer)."""
+    clock = s.clock
+    at = clock.now()
+    delay = due_ms - clock.time_ms()
+    actor.arm_timer(name, at + delay / 1000.0 if delay > 0 else at, message)
 
 
 def arm_due(s: Services, actor: Actor, due_ms: int | None) -> None:

@@ -189,6 +189,10 @@ class Services:
     #: found 7 leases of a SIGKILLed worker never orphaned in 50 s). A plain int
     #: per lease, not an object: lease actors start and stop on every attempt.
     lease_touched: dict[str, int] = field(default_factory=dict)
+    #: When the timer actor sweeps the live leases next (ms), None when no sweep is
+    #: asked for: a fresh lease whose expiry is no sooner leaves its own timer
+    #: unarmed (lease.py "lazy expiry"; `peers.defer_expiry`).
+    lease_sweep_at: int | None = None
     #: Worker id -> its push connection (`_api_workers.Connection`), recorded by
     #: `Daemon.attach` once the session is running and before its `Attach` is
     #: told, dropped by that connection's `detach`. A session's start closes the

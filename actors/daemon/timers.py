@@ -10,6 +10,13 @@ A run that passivates with a deadline tells it (`TimerIndexChanged`, after
 the entry is committed); the actor re-arms if it is earlier than what it
 sleeps towards. After a restart it rescans the table, so a message lost to a
 restart costs nothing.
+
+It also sweeps the live leases (lease.py "lazy expiry"): a fresh lease
+arms no expiry timer of its own while a sweep is asked for by its deadline
+(`LeasesDueBy`); at that time every live lease of the process hears `Due`,
+checks its expiry and arms its own timer. Every start of this actor sweeps at
+once, so a sweep timer lost with a killed incarnation leaves no lease
+without an expiry.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from stepd.actors import Actor
 from stepd.storage import parse_timer_key
 
 from . import peers, store
-from .messages import Due, TimerIndexChanged
+from .messages import Due, LeasesDueBy, SweepLeases, TimerIndexChanged
 from .services import Services
 
 #: Wake at most this many runs per turn, so a burst of due timers does not hold
@@ -51,9 +58,13 @@ class TimerActor(Actor):
         self.s = services
         self.armed_for: int | None = None
         self.cursor: bytes | None = None  # where the current sweep goes on
+        self.leases_at: int | None = None  # the lease sweep armed (ms)
 
     async def on_start(self) -> None:
         self._rearm(settle=False)
+        # A lease sweep asked of a killed incarnation died with its timer: sweep now
+        # (each live lease arms its own timer; one left lazy asks anew).
+        await peers.sweep_leases(self.s)
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, TimerIndexChanged):
@@ -62,6 +73,15 @@ class TimerActor(Actor):
             return None
         if isinstance(message, Due):
             await self._sweep()
+            return None
+        if isinstance(message, LeasesDueBy):
+            if self.leases_at is None or message.due < self.leases_at:
+                self.leases_at = message.due
+                peers.arm_at(self.s, self, "leases", message.due, SweepLeases())
+            return None
+        if isinstance(message, SweepLeases):
+            self.leases_at = None
+            await peers.sweep_leases(self.s)
             return None
         raise TypeError(f"timers: unexpected message {message!r}")
 

@@ -1,0 +1,137 @@
+"""A shutdown's `abort` reaching an HTTP request in flight through its task
+(`Drain.task_tracking`: no cancel scope per request under stepd's uvicorn
+protocol): the request is answered a whole 503 and the daemon stops cleanly;
+a request that finished first keeps its answer.
+
+A real daemon (`stepd.daemon.Server`) on 127.0.0.1, its storage writer held by
+a write that waits on a gate, so that a start is in flight when the grace
+period runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import httpx
+
+from stepd.transport._drain import Drain
+
+from .conftest import task_def, unique
+
+
+def test_an_aborted_request_is_answered_a_whole_503_and_the_daemon_stops(tmp_path: Path) -> None:
+    from stepd.daemon import ServeConfig, Server
+
+    daemon = Server(ServeConfig(data=str(tmp_path / "data"), port=0, max_request_ms=20_000),
+                    announce=lambda line: None)
+    holding, gate = threading.Event(), threading.Event()
+
+    def held(txn: Any) -> None:
+        holding.set()
+        gate.wait(10)
+
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        future, _ = portal.start_task(daemon.run)
+        assert daemon.url is not None and daemon.protocol is not None
+        protocol = daemon.protocol
+        try:
+            with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as http:
+                name = unique()
+                http.post("/v1/api/workers/register",
+                          json={"definitions": [task_def(name, "a")]}).raise_for_status()
+                finished = http.post("/v1/api/runs", json={"workflow": name, "input": 1})
+                assert finished.status_code == 201
+                writing: Future[Any] = portal.start_task_soon(protocol.daemon.storage.write, held)
+                assert holding.wait(10), "the writer is held"
+                answers: list[httpx.Response] = []
+
+                def start() -> None:
+                    with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as c:
+                        answers.append(c.post("/v1/api/runs", json={"workflow": name, "input": 2}))
+
+                starter = threading.Thread(target=start)
+                starter.start()
+                for _ in range(500):  # bounded: the start is in flight behind the held writer
+                    if portal.call(lambda: protocol.inflight) == 1:
+                        break
+                    threading.Event().wait(0.01)
+                assert portal.call(lambda: protocol.inflight) == 1
+
+                async def drain() -> bool:
+                    return await protocol.drain(0.05)
+
+                assert portal.call(drain) is False  # the grace ran out: aborted
+                starter.join(15)
+                (answer,) = answers
+                assert answer.status_code == 503
+                assert answer.json()["error"] == "unavailable"  # the whole body, parsed
+                assert answer.headers["connection"] == "close"
+                assert portal.call(lambda: protocol.inflight) == 0
+        finally:
+            gate.set()
+        writing.result(timeout=10)
+        portal.call(daemon.request_stop)
+        assert future.result(timeout=15) == 0
+
+
+async def _tracked_call(swallow: bool) -> tuple[bool, int, bool]:
+    """A call in `task_tracking` that `abort` cancels while it waits: whether the
+    block caught the cancel, the task's cancel requests left, and whether a wait
+    after the block (where the answer is sent) still completes."""
+    drain = Drain()
+    waiting = asyncio.Event()
+
+    async def call() -> tuple[bool, int, bool]:
+        with drain.task_tracking() as tracked:
+            waiting.set()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not swallow:
+                    raise
+        task = asyncio.current_task()
+        assert task is not None
+        await asyncio.sleep(0)  # the answer's write: not cancelled
+        return tracked.cancelled_caught, task.cancelling(), drain.inflight == 0
+
+    task = asyncio.ensure_future(call())
+    await waiting.wait()
+    drain.abort()
+    return await asyncio.wait_for(task, 5)
+
+
+def test_an_abort_is_caught_by_its_block_and_never_reaches_past_it() -> None:
+    assert asyncio.run(_tracked_call(swallow=False)) == (True, 0, True)
+
+
+def test_a_cancel_the_call_swallowed_leaves_no_request_behind() -> None:
+    assert asyncio.run(_tracked_call(swallow=True)) == (False, 0, True)
+
+
+def test_a_cancel_of_the_request_from_elsewhere_is_not_swallowed() -> None:
+    async def go() -> bool:
+        drain = Drain()
+        waiting = asyncio.Event()
+
+        async def call() -> None:
+            with drain.task_tracking():
+                waiting.set()
+                await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(call())
+        await waiting.wait()
+        task.cancel()  # the server's, say
+        drain.abort()  # and the drain's
+        try:
+            await asyncio.wait_for(task, 5)
+        except asyncio.CancelledError:
+            return task.cancelled() and drain.inflight == 0
+        return False
+
+    assert asyncio.run(go()) is True
