@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from stepd.actors import Actor
+from stepd.actors import Actor, WouldBlock
 from stepd.sansio.capabilities import WorkerCapabilities
 from stepd.sansio.errors import Unavailable
 from stepd.sansio.session import (
@@ -245,6 +245,19 @@ class SessionActor(Actor):
 
     async def _due_fired(self, message: Due) -> None:
         self._due.fired()
+        if self.has_pending():
+            # Fired timers are served before the mailbox, but a claim's deadline must
+            # not answer it ahead of the slots already queued for it: a `wait_ms` 0
+            # claim's deadline is now, and the registry's `SlotFor`s of its queued
+            # work wait in the mailbox. Tick after them (once: `_Tick` runs it).
+            try:
+                self.ref.tell_nowait(_TICK)
+                return
+            except WouldBlock:
+                pass  # a full mailbox: tick now
+        await self._tick(_TICK)
+
+    async def _tick(self, message: _Tick) -> None:
         await self._perform(self.machine.tick(self.s.clock.time_ms()))
         self._arm()
 
@@ -346,7 +359,14 @@ class SessionActor(Actor):
         self._due.arm(self.s, self, self.machine.next_deadline())
 
 
+class _Tick:
+    """A session's deadline, handled after the messages that were queued when it fired."""
+
+
+_TICK = _Tick()
+
 _HANDLERS: dict[type, Callable[[SessionActor, Any], Awaitable[Any]]] = {
+    _Tick: SessionActor._tick,
     TakeSlot: SessionActor._take_slot,
     Offered: SessionActor._offered,
     SlotFor: SessionActor._slot_for,
