@@ -7,7 +7,6 @@ as functions of a `Runtime`, beside the dispatcher's turn (`_turn.py`):
 * `start_inline`: the `start_child` handshake, `on_start` in the caller's task;
 * `start_now`: an `on_start` that never waits (`Actor.sync_start`), in the call;
 * `start_soon`: `on_start` left to a dispatcher (`start_child_nowait`);
-* `stop_now`: a removed child's idle incarnation without `on_stop`, right away;
 * `stop_gracefully`: a stop its supervisor asked for, within the shutdown limit;
 * `stop_sequence`: close, `on_stop` (shielded, bounded), finish; the owner
   holds `busy` (a dispatcher's turn, or `stop_gracefully`).
@@ -30,7 +29,6 @@ __all__ = [
     "start_now",
     "start_soon",
     "stop_gracefully",
-    "stop_now",
     "stop_sequence",
 ]
 
@@ -108,21 +106,6 @@ def start_now(rt: Runtime) -> None:
     failed = StartFailed(rt.cell.path)
     failed.__cause__ = cause
     rt._end(failed)
-
-
-def stop_now(rt: Runtime) -> bool:
-    """Stop a removed child's idle incarnation without `on_stop` right away.
-
-    Returns False (and does nothing) if that takes a wait: it is busy, or
-    has an `on_stop` to run.
-    """
-    if rt.done:
-        return True
-    if rt.busy or (rt.stop_hook and rt.started):
-        return False
-    rt._close(None)
-    rt._finish(None)
-    return True
 
 
 async def stop_gracefully(rt: Runtime, timeout: float) -> None:

@@ -54,14 +54,16 @@ from ._errors import (
     SupervisorEscalation,
 )
 from ._intensity import add_restart
-from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, stop_now
+from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully
 from ._ref import ActorRef, SupervisorRef
-from ._runtime import Runtime, _Child
+from ._runtime import RUNNING, Runtime, _Child, incarnate
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
 log = logging.getLogger("stepd.actors")
+
+_new = object.__new__
 
 
 class _ChildExit:
@@ -157,20 +159,15 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
-            raise TypeError(f"start_child() takes a ChildSpec, got {spec!r}")
-        child = self._new_child(spec)
-        try:
-            runtime = self._incarnate(child)
-            if runtime.start_hook:
-                await start_inline(runtime)
-            else:
-                runtime.mark_started()  # nothing to wait for: an object and a dict entry
-        except BaseException:
-            if self._children.get(spec.id) is child:
-                self._remove(child)
-            raise
-        return child.ref()
+        child = self._add_child(spec, "start_child")
+        runtime = child.runtime
+        assert runtime is not None
+        if not runtime.started:
+            await self._handshake(child, runtime)
+        ref = child.cached_ref  # `child.ref()`, inlined
+        if ref is None:
+            ref = child.cached_ref = runtime.actor._actor_ref_type(child)
+        return ref
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a child without waiting for its `on_start`; return its ref at once.
@@ -189,16 +186,11 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
-            raise TypeError(f"start_child_nowait() takes a ChildSpec, got {spec!r}")
-        child = self._new_child(spec)
-        try:
-            runtime = self._incarnate(child)
-        except BaseException:
-            self._remove(child)
-            raise
-        if not runtime.start_hook:
-            runtime.mark_started()
+        child = self._add_child(spec, "start_child_nowait")
+        runtime = child.runtime
+        assert runtime is not None
+        if runtime.started:
+            pass
         elif runtime.actor.sync_start:
             start_now(runtime)
         else:
@@ -208,12 +200,27 @@ class Supervisor(Actor):
             ref = child.cached_ref = runtime.actor._actor_ref_type(child)
         return ref
 
-    def _new_child(self, spec: ChildSpec) -> _Child:
-        """Register a child (its record and cell) for `spec` (`ActorDead`, `ChildExists`)."""
+    def _add_child(self, spec: ChildSpec, api: str) -> _Child:
+        """What a start does before it may wait: register the child and incarnate it.
+
+        A child without `on_start` is running (stamped) when this returns: the
+        whole of its start, in one call, so that `start_child` (and
+        `SupervisorRef.start_child`, which calls this itself: no coroutine of
+        ours in between) await nothing more. Otherwise its `on_start` is the
+        caller's to run (`_handshake`, `start_now`, `start_soon`).
+
+        Raises:
+            TypeError: `spec` is not a `ChildSpec`.
+            ChildExists, ActorDead, StartFailed: as `start_child`.
+        """
+        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
+            raise TypeError(f"{api}() takes a ChildSpec, got {spec!r}")
         rt = self._actor_runtime
         if rt is None:
             raise self._not_running()
         if not self._accepting:
+            raise ActorDead(rt.cell.path, rt.reason)
+        if rt.closed or rt.cancelled:  # as `_incarnate` checks
             raise ActorDead(rt.cell.path, rt.reason)
         children = self._children
         child_id = spec.id
@@ -222,10 +229,57 @@ class Supervisor(Actor):
         path = "/" + child_id if path == "/" else path + "/" + child_id
         if child_id in children:
             raise ChildExists(path)
+        # The child record (its registry cell), its fields stored here: calling
+        # a class with an `__init__` costs more than the stores (see `incarnate`).
         registry = parent.registry
-        child = children[child_id] = _Child(path, registry, spec)
+        child: _Child = _new(_Child)
+        child.path = path
+        child.registry = registry
+        child.current = None
+        child.kind = "?"
+        child.restarts = 0
+        child.retired = False
+        child.cached_ref = None
+        child.spec = spec
+        child.runtime = None
+        child.removed = False
+        child.last_reason = None
+        children[child_id] = child
         registry[path] = child  # `cell.register()`, inlined
+        try:  # `_incarnate`, inlined: a new child has no last reason, no ref yet
+            actor = spec.start()
+            if not isinstance(actor, Actor):
+                raise TypeError(
+                    f"ChildSpec {child_id!r}: start() must return an Actor, got {actor!r}"
+                )
+            runtime = incarnate(actor, child, rt.system, self)
+        except Exception as exc:
+            self._remove(child)
+            raise StartFailed(path) from exc
+        except BaseException:
+            self._remove(child)
+            raise
+        child.runtime = runtime
+        child.current = runtime
+        # Its ref, made here (a class call costs more than the two stores).
+        ref = child.cached_ref = _new(actor._actor_ref_type)
+        ref._cell = child
+        ref.path = path
+        if not runtime.start_hook:  # `runtime.mark_started()`, inlined
+            runtime.started = True
+            runtime.stamp = rt.system._wall_stamp()
+            runtime.state = RUNNING  # a new incarnation: nobody asked it to stop yet
+            runtime.inline = True
         return child
+
+    async def _handshake(self, child: _Child, runtime: Runtime) -> None:
+        """Run a new child's `on_start` in the caller's task; on failure nothing stays."""
+        try:
+            await start_inline(runtime)
+        except BaseException:
+            if self._children.get(child.spec.id) is child:
+                self._remove(child)
+            raise
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
@@ -237,14 +291,44 @@ class Supervisor(Actor):
         Raises:
             ActorNotFound: no child has this id.
         """
-        child = self._children.get(child_id)
+        child = self._take_child(child_id)
+        if child is not None:
+            await self._stop_incarnation(child)
+
+    def _take_child(self, child_id: str) -> _Child | None:
+        """What `stop_child` does before it may wait: remove the child, stop it if that is instant.
+
+        Returns the child if its stop must be awaited (`_stop_incarnation`):
+        it is busy, or has an `on_stop` to run. An idle child without one
+        (a lease actor, say) is stopped and released right here.
+
+        Raises:
+            ActorNotFound: no child has this id.
+        """
+        children = self._children
+        child = children.get(child_id)
         if child is None:
             raise ActorNotFound(_child_path(self._rt().path, child_id))
-        self._remove(child)
+        # `_remove(child)`, inlined (a lease actor is stopped on every step).
+        child.removed = True
+        del children[child_id]
+        child.retired = True
+        child.cached_ref = None  # its ref points back at it: no cycle left behind
+        registry = child.registry
+        path = child.path
+        if path in registry and registry[path] is child:
+            del registry[path]
         runtime = child.runtime
-        if runtime is not None and stop_now(runtime):
-            return  # idle, no on_stop: stopped synchronously
-        await self._stop_incarnation(child)
+        if runtime is None:
+            return None
+        if runtime.done:
+            runtime.release()
+            return None
+        if runtime.busy or (runtime.stop_hook and runtime.started):
+            return child  # a handler in flight, or an on_stop to run: the caller waits
+        runtime._close(None)  # idle, no on_stop: stopped right here, in this call
+        runtime._finish(None)
+        return None
 
     def count_children(self) -> int:
         """How many children this supervisor has now (cheap: no list is built)."""
@@ -343,7 +427,7 @@ class Supervisor(Actor):
                 raise TypeError(
                     f"ChildSpec {child.spec.id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = Runtime(actor, child, rt.system, child, self)
+            runtime = incarnate(actor, child, rt.system, self)
         except Exception as exc:
             raise StartFailed(child.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
@@ -376,8 +460,7 @@ class Supervisor(Actor):
                 # nothing runs between the check and the bookkeeping).
                 self._remove(child)
                 return
-            rt.sysq.append(_ChildExit(child, runtime, reason))
-            rt.notify()
+            rt.add_system(_ChildExit(child, runtime, reason))
 
     async def _stop_incarnation(self, child: _Child) -> None:
         runtime = child.runtime

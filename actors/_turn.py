@@ -70,8 +70,6 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
     try:
         if rt.start_pending and not await _start_in_turn(rt, sched, base):
             return 1
-        queue = rt.queue
-        sysq = rt.sysq
         receive = rt.actor.receive
         while handled < TURN and not rt.done:
             if rt.hook_pending:
@@ -82,6 +80,10 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
                 break
             handled += 1
             try:
+                # Both read per item: the first item of either gives the
+                # incarnation its own deque (`_types.NO_ITEMS`), maybe mid-turn.
+                sysq = rt.sysq
+                queue = rt.queue
                 if sysq:
                     await _serve_system(rt, sysq.popleft(), sched, base)
                 elif queue:
