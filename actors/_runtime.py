@@ -84,12 +84,13 @@ class _Child(Cell):
     """A supervisor's child: its cell (the registry entry at its path) and its record.
 
     One object, not a cell and a record beside it: a lease actor is started
-    per step. The record adds the spec, the current incarnation (also kept
-    after it ended, unlike `current`) and whether the supervisor removed it.
+    per step. The record adds the spec and the current incarnation (also kept
+    after it ended, unlike `current`). Its cell's `retired` says the
+    supervisor removed it (nothing else retires a child's cell).
     Here, not in `_supervisor`, because an incarnation reports its exit with it.
     """
 
-    __slots__ = ("last_reason", "removed", "runtime", "spec")
+    __slots__ = ("last_reason", "runtime", "spec")
 
     def __init__(self, path: str, registry: dict[str, Cell], spec: ChildSpec) -> None:
         # `Cell.__init__`'s fields, set here: one call per child, not two.
@@ -102,7 +103,6 @@ class _Child(Cell):
         self.cached_ref = None
         self.spec = spec
         self.runtime: Runtime | None = None
-        self.removed = False
         self.last_reason: BaseException | None = None  # handed to the next incarnation
 
     @property
@@ -119,14 +119,17 @@ class Runtime:
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
         "__dict__", "accepting", "actor", "busy", "cell", "closed", "deferred", "done",
-        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "stamp",
-        "start_hook", "started", "state", "stop_hook", "sup", "sync", "sysq", "system", "timers",
+        "hook_pending", "inline", "queue", "reason", "sched", "scheduled", "scoped", "senders",
+        "size", "stamp", "start_hook", "started", "state", "stop_hook", "stop_requested", "sup",
+        "sync", "sysq", "system", "timers",
     )  # fmt: skip
 
-    senders: deque[Waiter] | None = None  # sends waiting for room
-    stop_requested = False
+    # Slots although rarely set: a dispatcher reads them before every item
+    # (a class default read through an instance is not specialised on 3.11).
+    senders: deque[Waiter] | None  # sends waiting for room
+    stop_requested: bool
+    hook_pending: bool  # on_stop waits for a dispatcher (after an inline crash)
     start_pending = False  # on_start waits for a dispatcher (start_child_nowait)
-    hook_pending = False  # on_stop waits for a dispatcher (after an inline crash)
     hook_reason: BaseException | None = None
     cancelled = False  # killed / brutally stopped: end where it stands
     cancel_reason: BaseException | None = None
@@ -469,7 +472,7 @@ class Runtime:
         if sup is not None:
             self.sup = None
             child: _Child = self.cell  # type: ignore[assignment]  # a child has a supervisor
-            if child.removed:
+            if child.retired:  # removed by its supervisor
                 if child.current is self:  # `release()`, inlined: a stopped child
                     child.current = None  # is usually removed already
                 if child.runtime is self:
@@ -479,6 +482,37 @@ class Runtime:
                     actor._actor_runtime = None
             elif not self.expected_exit and child.runtime is self:
                 sup._child_exited(child, self, reason)
+
+    def end_removed(self) -> None:
+        """End an idle incarnation (no `on_stop`) of a child its supervisor just removed.
+
+        `_close(None)` then `_finish(None)` in one call, which is all they do
+        for one that holds nothing (no message, ask, timer, sender, watcher:
+        a lease actor, stopped on every step); anything else goes the
+        general way.
+        """
+        if (self.closed or self.queue or self.sysq or self.timers or self.senders
+                or self.current is not None or self.holders or self._done_event is not None
+                or self.blocker is not None):
+            self._close(None)
+            self._finish(None)
+            return
+        self.closed = True
+        self.accepting = False
+        self.inline = False
+        self.reason = None
+        self.busy = False
+        self.state = DEAD
+        self.done = True
+        self.sup = None  # removed: nobody to report to; the cycles go (`release()`)
+        child = self.cell
+        if child.current is self:
+            child.current = None
+        if type(child) is _Child and child.runtime is self:
+            child.runtime = None
+        actor = self.actor
+        if actor._actor_runtime is self:
+            actor._actor_runtime = None
 
     def release(self) -> None:
         """Break the cycles of a finished incarnation whose child is gone for good.
@@ -518,8 +552,12 @@ def incarnate(
     cell: Cell,
     system: RuntimeSystem,
     sup: ExitWatcher | None = None,
+    start: bool = False,
 ) -> Runtime:
-    """Make `actor`'s incarnation at `cell` (not started); `sup` hears of its exit.
+    """Make `actor`'s incarnation at `cell`; `sup` hears of its exit.
+
+    With `start`, an actor without `on_start` is made running (stamped, as
+    `mark_started` would); any other is made not started.
 
     A function, not `Runtime.__init__`: on Python 3.11 calling a class whose
     `__init__` is Python code costs about a third of a microsecond more than
@@ -556,7 +594,16 @@ def incarnate(
     rt.size = size
     rt.sysq = NO_ITEMS
     rt.timers = NO_TIMERS
-    rt.state = STARTING
+    if start and not start_hook:  # `mark_started()`, folded in: nobody can have stopped it yet
+        rt.state = RUNNING
+        rt.inline = True
+        rt.started = True
+        rt.stamp = system._wall_stamp()
+    else:
+        rt.state = STARTING
+        rt.inline = False
+        rt.started = False
+        rt.stamp = None
     rt.start_hook = start_hook
     rt.stop_hook = stop_hook
     rt.scoped = cls._actor_scoped  # learned at run time: not a trait
@@ -564,12 +611,12 @@ def incarnate(
     rt.sync = sync
     rt.busy = False
     rt.scheduled = False
-    rt.inline = False
     rt.accepting = True
-    rt.started = False
     rt.closed = False
     rt.done = False
     rt.reason = None
-    rt.stamp = None
+    rt.senders = None
+    rt.stop_requested = False
+    rt.hook_pending = False
     cell.kind = kind
     return rt

@@ -56,7 +56,7 @@ from ._errors import (
 from ._intensity import add_restart
 from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully
 from ._ref import ActorRef, SupervisorRef
-from ._runtime import RUNNING, Runtime, _Child, incarnate
+from ._runtime import Runtime, _Child, incarnate
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 
 __all__ = ["Supervisor", "SupervisorRef"]
@@ -226,23 +226,20 @@ class Supervisor(Actor):
         child_id = spec.id
         parent = rt.cell
         path = parent.path
-        path = "/" + child_id if path == "/" else path + "/" + child_id
+        path = "/" + child_id if path == "/" else f"{path}/{child_id}"
         if child_id in children:
             raise ChildExists(path)
         # The child record (its registry cell), its fields stored here: calling
         # a class with an `__init__` costs more than the stores (see `incarnate`).
         registry = parent.registry
+        # (`current`, `runtime` and `kind` are stored once it is incarnated.)
         child: _Child = _new(_Child)
         child.path = path
         child.registry = registry
-        child.current = None
-        child.kind = "?"
         child.restarts = 0
         child.retired = False
         child.cached_ref = None
         child.spec = spec
-        child.runtime = None
-        child.removed = False
         child.last_reason = None
         children[child_id] = child
         registry[path] = child  # `cell.register()`, inlined
@@ -252,12 +249,13 @@ class Supervisor(Actor):
                 raise TypeError(
                     f"ChildSpec {child_id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = incarnate(actor, child, rt.system, self)
-        except Exception as exc:
+            runtime = incarnate(actor, child, rt.system, self, True)
+        except BaseException as exc:
+            child.current = child.runtime = None
+            child.kind = "?"
             self._remove(child)
-            raise StartFailed(path) from exc
-        except BaseException:
-            self._remove(child)
+            if isinstance(exc, Exception):
+                raise StartFailed(path) from exc
             raise
         child.runtime = runtime
         child.current = runtime
@@ -265,11 +263,6 @@ class Supervisor(Actor):
         ref = child.cached_ref = _new(actor._actor_ref_type)
         ref._cell = child
         ref.path = path
-        if not runtime.start_hook:  # `runtime.mark_started()`, inlined
-            runtime.started = True
-            runtime.stamp = rt.system._wall_stamp()
-            runtime.state = RUNNING  # a new incarnation: nobody asked it to stop yet
-            runtime.inline = True
         return child
 
     async def _handshake(self, child: _Child, runtime: Runtime) -> None:
@@ -310,9 +303,8 @@ class Supervisor(Actor):
         if child is None:
             raise ActorNotFound(_child_path(self._rt().path, child_id))
         # `_remove(child)`, inlined (a lease actor is stopped on every step).
-        child.removed = True
         del children[child_id]
-        child.retired = True
+        child.retired = True  # also says it is removed (`_Child`)
         child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
         path = child.path
@@ -326,8 +318,7 @@ class Supervisor(Actor):
             return None
         if runtime.busy or (runtime.stop_hook and runtime.started):
             return child  # a handler in flight, or an on_stop to run: the caller waits
-        runtime._close(None)  # idle, no on_stop: stopped right here, in this call
-        runtime._finish(None)
+        runtime.end_removed()  # idle, no on_stop: stopped right here, in this call
         return None
 
     def count_children(self) -> int:
@@ -393,12 +384,11 @@ class Supervisor(Actor):
                     runtime.blocker = rt
 
     def _remove(self, child: _Child) -> None:
-        child.removed = True
         children = self._children
         child_id = child.spec.id
         if child_id in children and children[child_id] is child:  # no `get` call (a lease a step)
             del children[child_id]
-        child.retired = True  # `child.retire()`, inlined (one per lease)
+        child.retired = True  # `child.retire()`, inlined; also says it is removed (`_Child`)
         child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
         path = child.path
@@ -487,7 +477,7 @@ class Supervisor(Actor):
         if type(item) is not _ChildExit:
             return False
         child = item.child
-        if child.removed or child.runtime is not item.runtime:
+        if child.retired or child.runtime is not item.runtime:
             return True  # stale: stopped on purpose, or already replaced
         if item.reason is None and not _should_restart(child.spec.restart, None):
             self._remove(child)
@@ -496,7 +486,7 @@ class Supervisor(Actor):
 
     async def _on_child_exit(self, event: _ChildExit) -> None:
         child = event.child
-        if child.removed or child.runtime is not event.runtime:
+        if child.retired or child.runtime is not event.runtime:
             return  # stale: stopped on purpose, or already replaced
         reason = event.reason
         if isinstance(reason, ActorKilled):
@@ -540,14 +530,14 @@ class Supervisor(Actor):
             failed.last_reason = reason  # its next incarnation learns why it is restarted
             try:
                 for child in group:
-                    if child.removed or (child.runtime is not None and not child.runtime.done):
+                    if child.retired or (child.runtime is not None and not child.runtime.done):
                         continue
                     child.restarts += 1
                     failed = child
                     try:
                         await self._start_incarnation(child)
                     except StartFailed:
-                        if child.removed:
+                        if child.retired:
                             continue  # stop_child() took it away meanwhile: fine
                         raise
             except StartFailed as exc:
