@@ -51,7 +51,10 @@ def _runner(detached: list[bool]) -> Generator[Any, Any, Any]:
     instead hands its first yield up through the runner (`send` returns
     it); the turn then sets ``detached[0]`` and drives the runner itself to
     its end (`rest`), which the runner now reaches with the handler's
-    return. A handler's exception ends the runner too.
+    return. A handler's exception ends the runner too. A turn makes one
+    for a told message with more queued behind it (a batch: a producer
+    outrunning its consumer); a lone message, the daemon's usual turn, is
+    stepped by hand, since starting a runner costs as much as it saves.
     """
     coro = yield _DONE
     while True:
@@ -97,7 +100,7 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
         if rt.start_pending and not await _start_in_turn(rt, sched, base):
             return 1
         receive = rt.actor.receive
-        run: Any = None  # a `_runner`'s send, made for the first told message
+        run: Any = None  # a `_runner`'s send, made for a told message with more behind it
         while handled < TURN and not rt.done:
             if rt.hook_pending:
                 await stop_sequence(rt, rt.hook_reason, math.inf, sched, base)
@@ -125,13 +128,23 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
                     else:
                         # A told message: its handler's first step right here,
                         # so one that does not wait costs no call of ours.
+                        coro = receive(item)
                         if run is None:
+                            if not queue:
+                                # A lone message (the daemon's usual turn):
+                                # stepped by hand, a runner would cost more.
+                                try:
+                                    yielded = coro.send(None)
+                                except StopIteration:
+                                    continue
+                                await rest(rt, coro, yielded, base, sched)
+                                continue
                             detached = [False]
                             runner = _runner(detached)
                             run = runner.send
                             run(None)
                         try:
-                            yielded = run(receive(item))
+                            yielded = run(coro)
                         except BaseException:
                             run = None  # the handler raised: the runner ended with it
                             raise
