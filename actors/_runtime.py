@@ -606,7 +606,7 @@ def incarnate(
         rt.stamp = None
     rt.start_hook = start_hook
     rt.stop_hook = stop_hook
-    rt.scoped = cls._actor_scoped  # learned at run time: not a trait
+    rt.scoped = cls._actor_scoped  # learned at run time (`_drive`): not a trait
     rt.deferred = deferred
     rt.sync = sync
     rt.busy = False

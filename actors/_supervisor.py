@@ -232,13 +232,13 @@ class Supervisor(Actor):
         # The child record (its registry cell), its fields stored here: calling
         # a class with an `__init__` costs more than the stores (see `incarnate`).
         registry = parent.registry
-        # (`current`, `runtime` and `kind` are stored once it is incarnated.)
+        # (`current`, `runtime`, `kind` and `cached_ref` are stored once it is
+        # incarnated, or by `_remove` if that fails.)
         child: _Child = _new(_Child)
         child.path = path
         child.registry = registry
         child.restarts = 0
         child.retired = False
-        child.cached_ref = None
         child.spec = spec
         child.last_reason = None
         children[child_id] = child
@@ -298,12 +298,10 @@ class Supervisor(Actor):
         Raises:
             ActorNotFound: no child has this id.
         """
-        children = self._children
-        child = children.get(child_id)
+        child = self._children.pop(child_id, None)
         if child is None:
             raise ActorNotFound(_child_path(self._rt().path, child_id))
         # `_remove(child)`, inlined (a lease actor is stopped on every step).
-        del children[child_id]
         child.retired = True  # also says it is removed (`_Child`)
         child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
