@@ -118,28 +118,30 @@ class Runtime:
     # live in an instance dict (created on the first write) with class-level
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
-        "__dict__", "accepting", "actor", "busy", "cell", "closed", "deferred", "done",
-        "hook_pending", "inline", "queue", "reason", "sched", "scheduled", "scoped", "senders",
-        "size", "stamp", "start_hook", "started", "state", "stop_hook", "stop_requested", "sup",
-        "sync", "sysq", "system", "timers",
+        "__dict__", "_done_event", "accepting", "actor", "blocker", "busy", "cancelled", "cell",
+        "closed", "current", "deferred", "done", "holders", "hook_pending", "inline", "queue",
+        "reason", "sched", "scheduled", "scoped", "senders", "size", "stamp", "start_hook",
+        "started", "state", "stop_hook", "stop_requested", "sup", "sync", "sysq", "system",
+        "timers",
     )  # fmt: skip
 
-    # Slots although rarely set: a dispatcher reads them before every item
-    # (a class default read through an instance is not specialised on 3.11).
+    # Slots although rarely set: a dispatcher reads them before every item, or
+    # every stop does (a class default read through an instance is not
+    # specialised on 3.11: it costs several slot reads).
     senders: deque[Waiter] | None  # sends waiting for room
     stop_requested: bool
     hook_pending: bool  # on_stop waits for a dispatcher (after an inline crash)
+    cancelled: bool  # killed / brutally stopped: end where it stands
+    current: Ask | None  # the ask whose handler runs now (dispatcher path)
+    holders: int  # children a cancelled supervisor waits for
+    blocker: Runtime | None  # the cancelled supervisor waiting for us
+    _done_event: anyio.Event | None
     start_pending = False  # on_start waits for a dispatcher (start_child_nowait)
     hook_reason: BaseException | None = None
-    cancelled = False  # killed / brutally stopped: end where it stands
     cancel_reason: BaseException | None = None
     scope: anyio.CancelScope | None = None  # the waiting handler's scope
-    current: Ask | None = None  # the ask whose handler runs now (dispatcher path)
     expected_exit = False  # its supervisor stops it: no exit report
-    holders = 0  # children a cancelled supervisor waits for
-    blocker: Runtime | None = None  # the cancelled supervisor waiting for us
     finish_pending = False
-    _done_event: anyio.Event | None = None
 
     # Set by `incarnate` (no `__init__`: calling a class with one costs more
     # than all of its stores; see there).
@@ -618,5 +620,10 @@ def incarnate(
     rt.senders = None
     rt.stop_requested = False
     rt.hook_pending = False
+    rt.cancelled = False
+    rt.current = None
+    rt.holders = 0
+    rt.blocker = None
+    rt._done_event = None
     cell.kind = kind
     return rt
