@@ -37,6 +37,9 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, anyio.get_cancelled_exc_class())
 
 
+#: Told messages queued behind one for which a turn starts a `_runner`.
+RUNNER_BATCH = 8
+
 #: What a `_runner` yields when the handler sent in has returned.
 _DONE: Any = object()
 
@@ -52,9 +55,11 @@ def _runner(detached: list[bool]) -> Generator[Any, Any, Any]:
     it); the turn then sets ``detached[0]`` and drives the runner itself to
     its end (`rest`), which the runner now reaches with the handler's
     return. A handler's exception ends the runner too. A turn makes one
-    for a told message with more queued behind it (a batch: a producer
-    outrunning its consumer); a lone message, the daemon's usual turn, is
-    stepped by hand, since starting a runner costs as much as it saves.
+    for a told message with at least `RUNNER_BATCH` more queued behind it
+    (a batch: a producer outrunning its consumer); a lone message or a few,
+    the daemon's usual turns, are stepped by hand: starting a runner costs
+    about what two messages save, and three more calls as cProfile counts
+    them (`python -m bench.calls`).
     """
     coro = yield _DONE
     while True:
@@ -100,7 +105,7 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
         if rt.start_pending and not await _start_in_turn(rt, sched, base):
             return 1
         receive = rt.actor.receive
-        run: Any = None  # a `_runner`'s send, made for a told message with more behind it
+        run: Any = None  # a `_runner`'s send, made for a batch of told messages
         while handled < TURN and not rt.done:
             if rt.hook_pending:
                 await stop_sequence(rt, rt.hook_reason, math.inf, sched, base)
@@ -130,9 +135,9 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
                         # so one that does not wait costs no call of ours.
                         coro = receive(item)
                         if run is None:
-                            if not queue:
-                                # A lone message (the daemon's usual turn):
-                                # stepped by hand, a runner would cost more.
+                            if len(queue) < RUNNER_BATCH:
+                                # A lone message or a few (the daemon's usual
+                                # turns): stepped by hand, a runner would not pay.
                                 try:
                                     yielded = coro.send(None)
                                 except StopIteration:

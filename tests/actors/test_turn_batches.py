@@ -1,0 +1,125 @@
+"""A dispatcher's turn over a batch of told messages (`_turn._runner`).
+
+With `RUNNER_BATCH` or more messages queued behind the one in hand, a turn
+runs the handlers inside one live generator instead of stepping each by
+hand. What holds for a lone message must hold there too: order, a handler
+that waits (the runner is detached and driven to the handler's end, then a
+fresh one serves the rest), a crash (the messages behind it are dropped with
+the incarnation), a kill of a waiting handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from stepd.actors import Actor, ActorKilled, ActorSystem, ChildSpec, ManualClock, _turn
+from stepd.actors._turn import RUNNER_BATCH
+
+from ._helpers import settle
+
+BATCH = 3 * RUNNER_BATCH
+
+
+class Batch(Actor):
+    """Logs what it handles; waits on `gate` for "wait", raises for "boom"."""
+
+    def __init__(self, log: list[Any], gate: anyio.Event) -> None:
+        self.log = log
+        self.gate = gate
+
+    async def receive(self, message: Any) -> Any:
+        if message == "wait":
+            await self.gate.wait()
+        elif message == "boom":
+            raise RuntimeError("boom")
+        self.log.append(message)
+        return None
+
+
+async def _tell_batch(system: ActorSystem, messages: list[Any]) -> None:
+    """Queue `messages` before any is handled (`tell_nowait` never yields)."""
+    ref = system.resolve("/b")
+    for message in messages:
+        ref.tell_nowait(message)
+
+
+async def test_a_batch_is_handled_in_order_by_one_turn_through_one_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runners: list[object] = []
+    make = _turn._runner
+
+    def counted(detached: list[bool]) -> Any:
+        runners.append(detached)
+        return make(detached)
+
+    monkeypatch.setattr(_turn, "_runner", counted)
+    log: list[Any] = []
+    async with ActorSystem(clock=ManualClock()) as system:
+        await system.spawn(ChildSpec("b", lambda: Batch(log, anyio.Event())))
+        await _tell_batch(system, list(range(BATCH)))
+        assert log == []
+        await settle()
+        assert log == list(range(BATCH))
+        assert system._sched.started == 1  # one dispatcher served the batch
+        assert len(runners) == 1
+        await _tell_batch(system, ["lone"])  # a lone message: stepped by hand
+        await settle()
+        assert log[-1] == "lone"
+        assert len(runners) == 1
+
+
+async def test_a_handler_that_waits_inside_a_batch_is_finished_then_the_rest_follows() -> None:
+    log: list[Any] = []
+    gate = anyio.Event()
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("b", lambda: Batch(log, gate)))
+        messages: list[Any] = [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)]
+        await _tell_batch(system, messages)
+        await settle()
+        assert log == list(range(RUNNER_BATCH))  # the handler in hand waits: nothing overtakes it
+        gate.set()
+        await settle()
+        assert log == [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)]
+        assert ref.statistics().restarts == 0
+        assert ref.statistics().mailbox_depth == 0
+
+
+async def test_a_crash_inside_a_batch_drops_the_messages_behind_it_and_restarts() -> None:
+    log: list[Any] = []
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("b", lambda: Batch(log, anyio.Event())))
+        await _tell_batch(system, [*range(RUNNER_BATCH), "boom", *range(100, 100 + BATCH)])
+        await settle()
+        assert log == list(range(RUNNER_BATCH))  # those behind the crash died with it
+        assert ref.statistics().restarts == 1
+        await _tell_batch(system, list(range(200, 200 + BATCH)))
+        await settle()
+        assert log == [*range(RUNNER_BATCH), *range(200, 200 + BATCH)]
+
+
+async def test_a_kill_of_a_handler_waiting_inside_a_batch_interrupts_it() -> None:
+    log: list[Any] = []
+    gate = anyio.Event()  # never set: only the kill ends the wait
+    reasons: list[BaseException | None] = []
+
+    class Remembering(Batch):
+        async def on_start(self) -> None:
+            reasons.append(self.restart_reason)
+
+    async with ActorSystem(clock=ManualClock()) as system:
+        ref = await system.spawn(ChildSpec("b", lambda: Remembering(log, gate)))
+        await _tell_batch(system, [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)])
+        await settle()
+        assert log == list(range(RUNNER_BATCH))
+        await system.kill("/b")
+        await settle()
+        assert ref.statistics().restarts == 1
+        assert isinstance(reasons[-1], ActorKilled)
+        assert log == list(range(RUNNER_BATCH))  # the waiting one and those behind it died
+        await ref.tell("after")
+        await settle()
+        assert log[-1] == "after"
