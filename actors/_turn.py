@@ -37,8 +37,8 @@ def _is_cancel(exc: BaseException) -> bool:
     return isinstance(exc, anyio.get_cancelled_exc_class())
 
 
-#: Told messages queued behind one for which a turn starts a `_runner`.
-RUNNER_BATCH = 8
+#: Items a turn handles by hand before it starts a `_runner` for the rest.
+RUNNER_AFTER = 4
 
 #: What a `_runner` yields when the handler sent in has returned.
 _DONE: Any = object()
@@ -55,11 +55,12 @@ def _runner(detached: list[bool]) -> Generator[Any, Any, Any]:
     it); the turn then sets ``detached[0]`` and drives the runner itself to
     its end (`rest`), which the runner now reaches with the handler's
     return. A handler's exception ends the runner too. A turn makes one
-    for a told message with at least `RUNNER_BATCH` more queued behind it
-    (a batch: a producer outrunning its consumer); a lone message or a few,
-    the daemon's usual turns, are stepped by hand: starting a runner costs
-    about what two messages save, and three more calls as cProfile counts
-    them (`python -m bench.calls`).
+    once it has handled `RUNNER_AFTER` items and more messages are queued
+    (a batch: a producer outrunning its consumer); the daemon's turns, one
+    to a few messages, are stepped by hand: starting a runner costs about
+    what two messages save, and three more calls as cProfile counts them
+    (`python -m bench.calls`). Counting the turn's items costs no call,
+    unlike the queue's length.
     """
     coro = yield _DONE
     while True:
@@ -135,9 +136,10 @@ async def turn(rt: Runtime, sched: SchedulerLike[Runtime], base: object) -> int:
                         # so one that does not wait costs no call of ours.
                         coro = receive(item)
                         if run is None:
-                            if len(queue) < RUNNER_BATCH:
-                                # A lone message or a few (the daemon's usual
-                                # turns): stepped by hand, a runner would not pay.
+                            if handled <= RUNNER_AFTER or not queue:
+                                # A turn's first few messages, or its last
+                                # (the daemon's turns are one to a few):
+                                # stepped by hand, a runner would not pay.
                                 try:
                                     yielded = coro.send(None)
                                 except StopIteration:

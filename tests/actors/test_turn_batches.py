@@ -1,8 +1,7 @@
 """A dispatcher's turn over a batch of told messages (`_turn._runner`).
 
-With `RUNNER_BATCH` or more messages queued behind the one in hand, a turn
-runs the handlers inside one live generator instead of stepping each by
-hand. What holds for a lone message must hold there too: order, a handler
+Past its first `RUNNER_AFTER` items, with more messages queued, a turn runs
+the handlers inside one live generator instead of stepping each by hand. What holds for a lone message must hold there too: order, a handler
 that waits (the runner is detached and driven to the handler's end, then a
 fresh one serves the rest), a crash (the messages behind it are dropped with
 the incarnation), a kill of a waiting handler.
@@ -16,11 +15,11 @@ import anyio
 import pytest
 
 from stepd.actors import Actor, ActorKilled, ActorSystem, ChildSpec, ManualClock, _turn
-from stepd.actors._turn import RUNNER_BATCH
+from stepd.actors._turn import RUNNER_AFTER
 
 from ._helpers import settle
 
-BATCH = 3 * RUNNER_BATCH
+BATCH = 3 * RUNNER_AFTER
 
 
 class Batch(Actor):
@@ -77,13 +76,14 @@ async def test_a_handler_that_waits_inside_a_batch_is_finished_then_the_rest_fol
     gate = anyio.Event()
     async with ActorSystem(clock=ManualClock()) as system:
         ref = await system.spawn(ChildSpec("b", lambda: Batch(log, gate)))
-        messages: list[Any] = [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)]
+        # "wait" comes past the first few: inside a runner.
+        messages: list[Any] = [*range(2 * RUNNER_AFTER), "wait", *range(100, 100 + BATCH)]
         await _tell_batch(system, messages)
         await settle()
-        assert log == list(range(RUNNER_BATCH))  # the handler in hand waits: nothing overtakes it
+        assert log == list(range(2 * RUNNER_AFTER))  # the one in hand waits: nothing overtakes it
         gate.set()
         await settle()
-        assert log == [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)]
+        assert log == [*range(2 * RUNNER_AFTER), "wait", *range(100, 100 + BATCH)]
         assert ref.statistics().restarts == 0
         assert ref.statistics().mailbox_depth == 0
 
@@ -92,13 +92,13 @@ async def test_a_crash_inside_a_batch_drops_the_messages_behind_it_and_restarts(
     log: list[Any] = []
     async with ActorSystem(clock=ManualClock()) as system:
         ref = await system.spawn(ChildSpec("b", lambda: Batch(log, anyio.Event())))
-        await _tell_batch(system, [*range(RUNNER_BATCH), "boom", *range(100, 100 + BATCH)])
+        await _tell_batch(system, [*range(2 * RUNNER_AFTER), "boom", *range(100, 100 + BATCH)])
         await settle()
-        assert log == list(range(RUNNER_BATCH))  # those behind the crash died with it
+        assert log == list(range(2 * RUNNER_AFTER))  # those behind the crash died with it
         assert ref.statistics().restarts == 1
         await _tell_batch(system, list(range(200, 200 + BATCH)))
         await settle()
-        assert log == [*range(RUNNER_BATCH), *range(200, 200 + BATCH)]
+        assert log == [*range(2 * RUNNER_AFTER), *range(200, 200 + BATCH)]
 
 
 async def test_a_kill_of_a_handler_waiting_inside_a_batch_interrupts_it() -> None:
@@ -112,14 +112,14 @@ async def test_a_kill_of_a_handler_waiting_inside_a_batch_interrupts_it() -> Non
 
     async with ActorSystem(clock=ManualClock()) as system:
         ref = await system.spawn(ChildSpec("b", lambda: Remembering(log, gate)))
-        await _tell_batch(system, [*range(RUNNER_BATCH), "wait", *range(100, 100 + BATCH)])
+        await _tell_batch(system, [*range(2 * RUNNER_AFTER), "wait", *range(100, 100 + BATCH)])
         await settle()
-        assert log == list(range(RUNNER_BATCH))
+        assert log == list(range(2 * RUNNER_AFTER))
         await system.kill("/b")
         await settle()
         assert ref.statistics().restarts == 1
         assert isinstance(reasons[-1], ActorKilled)
-        assert log == list(range(RUNNER_BATCH))  # the waiting one and those behind it died
+        assert log == list(range(2 * RUNNER_AFTER))  # the waiting one and those behind it died
         await ref.tell("after")
         await settle()
         assert log[-1] == "after"
