@@ -306,7 +306,7 @@ class Actor:
     _actor_plain_start: ClassVar[bool] = True
     _actor_plain_stop: ClassVar[bool] = True
 
-    #: What an incarnation copies from its class, in one lookup (`_runtime.incarnate`):
+    #: What an incarnation copies from its class, in one lookup (`_lifecycle.incarnate`):
     #: ``(cls, mailbox_size, start hook, stop hook, deferred_kill, sync_handlers,
     #: kind)``, made on the class's first start (`_actor_learn_traits`). It names
     #: its class, so a subclass (which inherits it) learns its own.

@@ -46,10 +46,10 @@ from ._mailbox import Ask
 from ._ref import Cell
 from ._spec import ChildSpec
 from ._timers import TimerEntry
-from ._types import NO_ITEMS, NO_TIMERS, SchedulerLike
+from ._types import NO_ITEMS, SchedulerLike
 from ._waiter import Waiter, cancel_scope_token
 
-__all__ = ["ExitWatcher", "Runtime", "RuntimeSystem", "incarnate"]
+__all__ = ["DEAD", "RUNNING", "STARTING", "STOPPING", "ExitWatcher", "Runtime", "RuntimeSystem"]
 
 STARTING = "starting"
 RUNNING = "running"
@@ -143,8 +143,8 @@ class Runtime:
     expected_exit = False  # its supervisor stops it: no exit report
     finish_pending = False
 
-    # Set by `incarnate` (no `__init__`: calling a class with one costs more
-    # than all of its stores; see there).
+    # Set by `_lifecycle.incarnate` (no `__init__`: calling a class with one
+    # costs more than all of its stores; see there).
     actor: Actor
     cell: Cell
     system: RuntimeSystem
@@ -485,37 +485,6 @@ class Runtime:
             elif not self.expected_exit and child.runtime is self:
                 sup._child_exited(child, self, reason)
 
-    def end_removed(self) -> None:
-        """End an idle incarnation (no `on_stop`) of a child its supervisor just removed.
-
-        `_close(None)` then `_finish(None)` in one call, which is all they do
-        for one that holds nothing (no message, ask, timer, sender, watcher:
-        a lease actor, stopped on every step); anything else goes the
-        general way.
-        """
-        if (self.closed or self.queue or self.sysq or self.timers or self.senders
-                or self.current is not None or self.holders or self._done_event is not None
-                or self.blocker is not None):
-            self._close(None)
-            self._finish(None)
-            return
-        self.closed = True
-        self.accepting = False
-        self.inline = False
-        self.reason = None
-        self.busy = False
-        self.state = DEAD
-        self.done = True
-        self.sup = None  # removed: nobody to report to; the cycles go (`release()`)
-        child = self.cell
-        if child.current is self:
-            child.current = None
-        if type(child) is _Child and child.runtime is self:
-            child.runtime = None
-        actor = self.actor
-        if actor._actor_runtime is self:
-            actor._actor_runtime = None
-
     def release(self) -> None:
         """Break the cycles of a finished incarnation whose child is gone for good.
 
@@ -545,85 +514,3 @@ class Runtime:
     def has_pending(self) -> bool:
         return bool(self.queue) or bool(self.sysq)
 
-
-_new = object.__new__
-
-
-def incarnate(
-    actor: Actor,
-    cell: Cell,
-    system: RuntimeSystem,
-    sup: ExitWatcher | None = None,
-    start: bool = False,
-) -> Runtime:
-    """Make `actor`'s incarnation at `cell`; `sup` hears of its exit.
-
-    With `start`, an actor without `on_start` is made running (stamped, as
-    `mark_started` would); any other is made not started.
-
-    A function, not `Runtime.__init__`: on Python 3.11 calling a class whose
-    `__init__` is Python code costs about a third of a microsecond more than
-    calling a function, and a lease actor is made on every step. What comes
-    from the actor's class is read in one lookup (`Actor._actor_traits`).
-
-    Raises:
-        RuntimeError: `actor` was started once already.
-        ValueError: its class's `mailbox_size` is not an int >= 1.
-    """
-    if actor._actor_incarnated:
-        raise RuntimeError(
-            f"{type(actor).__name__} instance was already started once; "
-            "ChildSpec.start must return a fresh actor for every incarnation"
-        )
-    cls = type(actor)
-    traits = cls._actor_traits
-    if traits is None or traits[0] is not cls:
-        traits = cls._actor_learn_traits()  # raises for a bad mailbox_size
-    _cls, size, start_hook, stop_hook, deferred, sync, kind = traits
-    rt: Runtime = _new(Runtime)
-    actor._actor_runtime = rt
-    actor._actor_incarnated = True
-    rt.actor = actor
-    rt.cell = cell
-    rt.system = system
-    rt.sched = system._sched
-    rt.sup = sup
-    # The mailbox, the system queue (fired timers, child exits: served first)
-    # and the timers start as shared empties, replaced by this incarnation's
-    # own on the first item (`_types.NO_ITEMS`): most lease actors get no
-    # message before they stop, and three allocations are a tenth of a spawn.
-    rt.queue = NO_ITEMS
-    rt.size = size
-    rt.sysq = NO_ITEMS
-    rt.timers = NO_TIMERS
-    if start and not start_hook:  # `mark_started()`, folded in: nobody can have stopped it yet
-        rt.state = RUNNING
-        rt.inline = True
-        rt.started = True
-        rt.stamp = system._wall_stamp()
-    else:
-        rt.state = STARTING
-        rt.inline = False
-        rt.started = False
-        rt.stamp = None
-    rt.start_hook = start_hook
-    rt.stop_hook = stop_hook
-    rt.scoped = cls._actor_scoped  # learned at run time (`_drive`): not a trait
-    rt.deferred = deferred
-    rt.sync = sync
-    rt.busy = False
-    rt.scheduled = False
-    rt.accepting = True
-    rt.closed = False
-    rt.done = False
-    rt.reason = None
-    rt.senders = None
-    rt.stop_requested = False
-    rt.hook_pending = False
-    rt.cancelled = False
-    rt.current = None
-    rt.holders = 0
-    rt.blocker = None
-    rt._done_event = None
-    cell.kind = kind
-    return rt

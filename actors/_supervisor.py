@@ -48,22 +48,27 @@ from ._actor import Actor
 from ._errors import (
     ActorDead,
     ActorKilled,
-    ActorNotFound,
-    ChildExists,
     StartFailed,
     SupervisorEscalation,
 )
 from ._intensity import add_restart
-from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully
+from ._lifecycle import (
+    add_child,
+    incarnate,
+    start_inline,
+    start_now,
+    start_soon,
+    stop_gracefully,
+    take_child,
+)
 from ._ref import ActorRef, SupervisorRef
-from ._runtime import Runtime, _Child, incarnate
+from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 
 __all__ = ["Supervisor", "SupervisorRef"]
 
 log = logging.getLogger("stepd.actors")
 
-_new = object.__new__
 
 
 class _ChildExit:
@@ -200,70 +205,10 @@ class Supervisor(Actor):
             ref = child.cached_ref = runtime.actor._actor_ref_type(child)
         return ref
 
-    def _add_child(self, spec: ChildSpec, api: str) -> _Child:
-        """What a start does before it may wait: register the child and incarnate it.
-
-        A child without `on_start` is running (stamped) when this returns: the
-        whole of its start, in one call, so that `start_child` (and
-        `SupervisorRef.start_child`, which calls this itself: no coroutine of
-        ours in between) await nothing more. Otherwise its `on_start` is the
-        caller's to run (`_handshake`, `start_now`, `start_soon`).
-
-        Raises:
-            TypeError: `spec` is not a `ChildSpec`.
-            ChildExists, ActorDead, StartFailed: as `start_child`.
-        """
-        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
-            raise TypeError(f"{api}() takes a ChildSpec, got {spec!r}")
-        rt = self._actor_runtime
-        if rt is None:
-            raise self._not_running()
-        if not self._accepting:
-            raise ActorDead(rt.cell.path, rt.reason)
-        if rt.closed or rt.cancelled:  # as `_incarnate` checks
-            raise ActorDead(rt.cell.path, rt.reason)
-        children = self._children
-        child_id = spec.id
-        parent = rt.cell
-        path = parent.path
-        path = "/" + child_id if path == "/" else f"{path}/{child_id}"
-        if child_id in children:
-            raise ChildExists(path)
-        # The child record (its registry cell), its fields stored here: calling
-        # a class with an `__init__` costs more than the stores (see `incarnate`).
-        registry = parent.registry
-        # (`current`, `runtime`, `kind` and `cached_ref` are stored once it is
-        # incarnated, or by `_remove` if that fails.)
-        child: _Child = _new(_Child)
-        child.path = path
-        child.registry = registry
-        child.restarts = 0
-        child.retired = False
-        child.spec = spec
-        child.last_reason = None
-        children[child_id] = child
-        registry[path] = child  # `cell.register()`, inlined
-        try:  # `_incarnate`, inlined: a new child has no last reason, no ref yet
-            actor = spec.start()
-            if not isinstance(actor, Actor):
-                raise TypeError(
-                    f"ChildSpec {child_id!r}: start() must return an Actor, got {actor!r}"
-                )
-            runtime = incarnate(actor, child, rt.system, self, True)
-        except BaseException as exc:
-            child.current = child.runtime = None
-            child.kind = "?"
-            self._remove(child)
-            if isinstance(exc, Exception):
-                raise StartFailed(path) from exc
-            raise
-        child.runtime = runtime
-        child.current = runtime
-        # Its ref, made here (a class call costs more than the two stores).
-        ref = child.cached_ref = _new(actor._actor_ref_type)
-        ref._cell = child
-        ref.path = path
-        return child
+    # `start_child`'s and `stop_child`'s halves that never wait (`_lifecycle`):
+    # methods, as `SupervisorRef` calls them on the supervisor it reaches.
+    _add_child = add_child
+    _take_child = take_child
 
     async def _handshake(self, child: _Child, runtime: Runtime) -> None:
         """Run a new child's `on_start` in the caller's task; on failure nothing stays."""
@@ -287,37 +232,6 @@ class Supervisor(Actor):
         child = self._take_child(child_id)
         if child is not None:
             await self._stop_incarnation(child)
-
-    def _take_child(self, child_id: str) -> _Child | None:
-        """What `stop_child` does before it may wait: remove the child, stop it if that is instant.
-
-        Returns the child if its stop must be awaited (`_stop_incarnation`):
-        it is busy, or has an `on_stop` to run. An idle child without one
-        (a lease actor, say) is stopped and released right here.
-
-        Raises:
-            ActorNotFound: no child has this id.
-        """
-        child = self._children.pop(child_id, None)
-        if child is None:
-            raise ActorNotFound(_child_path(self._rt().path, child_id))
-        # `_remove(child)`, inlined (a lease actor is stopped on every step).
-        child.retired = True  # also says it is removed (`_Child`)
-        child.cached_ref = None  # its ref points back at it: no cycle left behind
-        registry = child.registry
-        path = child.path
-        if path in registry and registry[path] is child:
-            del registry[path]
-        runtime = child.runtime
-        if runtime is None:
-            return None
-        if runtime.done:
-            runtime.release()
-            return None
-        if runtime.busy or (runtime.stop_hook and runtime.started):
-            return child  # a handler in flight, or an on_stop to run: the caller waits
-        runtime.end_removed()  # idle, no on_stop: stopped right here, in this call
-        return None
 
     def count_children(self) -> int:
         """How many children this supervisor has now (cheap: no list is built)."""

@@ -33,9 +33,9 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._clock import Clock, SystemClock
 from ._errors import ActorDead, ActorKilled, ActorNotFound
-from ._lifecycle import start_inline, stop_gracefully
+from ._lifecycle import incarnate, start_inline, stop_gracefully
 from ._ref import ActorRef, Cell
-from ._runtime import Runtime, incarnate
+from ._runtime import Runtime
 from ._scheduler import DEFAULT_MAX_DISPATCHERS, Scheduler
 from ._spec import ChildSpec
 from ._stats import ActorStatistics, ActorTree
