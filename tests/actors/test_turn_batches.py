@@ -1,4 +1,4 @@
-"""A dispatcher's turn over a batch of told messages (`_turn._runner`).
+"""A dispatcher's turn over a batch of told messages (`_turn._runner`); the shared empties.
 
 Past its first `RUNNER_AFTER` items, with more messages queued, a turn runs
 the handlers inside one live generator instead of stepping each by hand. What holds for a lone message must hold there too: order, a handler
@@ -14,8 +14,18 @@ from typing import Any
 import anyio
 import pytest
 
-from stepd.actors import Actor, ActorKilled, ActorSystem, ChildSpec, ManualClock, _turn
+from stepd.actors import (
+    Actor,
+    ActorKilled,
+    ActorSystem,
+    ChildSpec,
+    ManualClock,
+    Restart,
+    Supervisor,
+    _turn,
+)
 from stepd.actors._turn import RUNNER_AFTER
+from stepd.actors._types import NO_ITEMS, NO_TIMERS
 
 from ._helpers import settle
 
@@ -123,3 +133,34 @@ async def test_a_kill_of_a_handler_waiting_inside_a_batch_interrupts_it() -> Non
         await ref.tell("after")
         await settle()
         assert log[-1] == "after"
+
+
+class Timed(Actor):
+    async def on_start(self) -> None:
+        self.arm_timer("t", self.clock.now() + 1.0, "fired")
+
+    async def receive(self, message: Any) -> Any:
+        return message
+
+
+async def test_the_shared_empty_mailbox_system_queue_and_timers_stay_empty() -> None:
+    """A fresh incarnation's first message, ask, timer or child exit gets its own container."""
+    clock = ManualClock()
+    async with ActorSystem(clock=clock) as system:
+        log: list[Any] = []
+        ref = await system.spawn(ChildSpec("b", lambda: Batch(log, anyio.Event())))
+        ref.tell_nowait("first")  # a tell to a fresh incarnation
+        other = await system.spawn(ChildSpec("o", lambda: Batch(log, anyio.Event())))
+        assert await other.ask("asked", timeout=5.0) is None  # an ask through the mailbox
+        timed = await system.spawn(ChildSpec("t", Timed))
+        sup = await system.spawn(ChildSpec("s", Supervisor))
+        await system.supervisor(sup.path).start_child(
+            ChildSpec("c", lambda: Batch(log, anyio.Event()), restart=Restart.PERMANENT))
+        await system.kill("/s/c")  # a child's exit on a fresh supervisor's system queue
+        clock.advance(1.0)
+        await settle()
+        assert log == ["first", "asked"]
+        assert timed.statistics().timers == 0
+        assert system.resolve("/s/c").statistics().restarts == 1
+        assert not NO_ITEMS
+        assert not NO_TIMERS
