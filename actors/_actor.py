@@ -306,12 +306,34 @@ class Actor:
     _actor_plain_start: ClassVar[bool] = True
     _actor_plain_stop: ClassVar[bool] = True
 
+    #: What an incarnation copies from its class, in one lookup (`_lifecycle.incarnate`):
+    #: ``(cls, mailbox_size, start hook, stop hook, deferred_kill, sync_handlers,
+    #: kind)``, made on the class's first start (`_actor_learn_traits`). It names
+    #: its class, so a subclass (which inherits it) learns its own.
+    _actor_traits: ClassVar[tuple[type, int, bool, bool, bool, bool, str] | None] = None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._actor_plain_start = cls._actor_start is Actor._actor_start
         cls._actor_plain_stop = cls._actor_stop is Actor._actor_stop
         cls._actor_start_hook = cls.on_start is not Actor.on_start or not cls._actor_plain_start
         cls._actor_stop_hook = cls.on_stop is not Actor.on_stop or not cls._actor_plain_stop
+
+    @classmethod
+    def _actor_learn_traits(cls) -> tuple[type, int, bool, bool, bool, bool, str]:
+        """Read and keep `_actor_traits` (on a class's first start).
+
+        Raises:
+            ValueError: `mailbox_size` is not an int >= 1 (the start fails;
+                nothing is kept, so every start says so).
+        """
+        size = cls.mailbox_size
+        if type(size) is not int or size < 1:
+            raise ValueError(f"{cls.__name__}.mailbox_size must be an int >= 1, got {size!r}")
+        traits = (cls, size, cls._actor_start_hook, cls._actor_stop_hook, cls.deferred_kill,
+                  cls.sync_handlers, cls.kind or cls.__name__)
+        cls._actor_traits = traits
+        return traits
 
     async def _actor_start(self) -> None:
         await self.on_start()

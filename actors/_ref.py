@@ -28,7 +28,7 @@ from ._mailbox import Ask
 from ._messages import _IMMUTABLE, check_message
 from ._spec import ChildSpec, Strategy
 from ._stats import ActorStatistics
-from ._types import SchedulerLike, ScopedActor
+from ._types import NO_ITEMS, SchedulerLike, ScopedActor
 from ._waiter import cancel_scope_token
 
 __all__ = [
@@ -71,8 +71,6 @@ class Incarnation(Protocol):
     @property
     def sched(self) -> SchedulerLike[Self]: ...
     @property
-    def queue(self) -> deque[Any]: ...
-    @property
     def sysq(self) -> deque[Any]: ...
     @property
     def size(self) -> int: ...
@@ -99,7 +97,9 @@ class Incarnation(Protocol):
     @property
     def cancelled(self) -> bool: ...
 
-    # Writable: a ref that runs a handler inline holds the incarnation busy.
+    # Writable: a ref that runs a handler inline holds the incarnation busy,
+    # and the first message sent gives it its own mailbox (`_types.NO_ITEMS`).
+    queue: deque[Any]
     busy: bool
     scoped: bool
     deferred: bool
@@ -258,6 +258,8 @@ class ActorRef:
             rt = self._runtime()
         queue = rt.queue
         if len(queue) < rt.size:
+            if queue is NO_ITEMS:  # its first message: its own mailbox
+                queue = rt.queue = deque()
             if rt.busy or rt.scheduled:
                 queue.append(message)  # whoever runs it will see it: no wake-up
                 return
@@ -286,6 +288,8 @@ class ActorRef:
         queue = rt.queue
         if len(queue) >= rt.size:
             raise anyio.WouldBlock
+        if queue is NO_ITEMS:
+            queue = rt.queue = deque()
         if rt.busy or rt.scheduled:
             queue.append(message)
             return
@@ -416,6 +420,8 @@ class ActorRef:
         # right after, which is the ask's checkpoint.
         queue = rt.queue
         if len(queue) < rt.size:
+            if queue is NO_ITEMS:
+                queue = rt.queue = deque()
             queue.append(request)
             if not rt.busy and not rt.scheduled:
                 rt.sched.schedule(rt)
@@ -475,7 +481,15 @@ class SupervisorRef(ActorRef):
         rt = cell.current
         if rt is None or cell.retired or not rt.accepting or not rt.actor._actor_is_supervisor:
             return await self._supervisor().start_child(spec)  # raises
-        return await rt.actor.start_child(spec)  # type: ignore[attr-defined,no-any-return]
+        sup = rt.actor  # a Supervisor: `Supervisor.start_child`'s body, one coroutine fewer
+        child = sup._add_child(spec, "start_child")  # type: ignore[attr-defined]
+        runtime = child.runtime
+        if not runtime.started:
+            await sup._handshake(child, runtime)  # type: ignore[attr-defined]
+        ref = child.cached_ref
+        if ref is None:
+            ref = child.cached_ref = runtime.actor._actor_ref_type(child)
+        return ref  # type: ignore[no-any-return]
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a dynamic child without waiting for its `on_start` (see
@@ -506,7 +520,10 @@ class SupervisorRef(ActorRef):
         if rt is None or cell.retired or not rt.accepting or not rt.actor._actor_is_supervisor:
             await self._supervisor().stop_child(child_id)  # raises
             return
-        await rt.actor.stop_child(child_id)  # type: ignore[attr-defined]
+        sup = rt.actor  # a Supervisor: `Supervisor.stop_child`'s body, one coroutine fewer
+        child = sup._take_child(child_id)  # type: ignore[attr-defined]
+        if child is not None:
+            await sup._stop_incarnation(child)  # type: ignore[attr-defined]
 
     def which_children(self) -> list[tuple[str, ActorRef]]:
         """Return ``(id, ref)`` for every child, in start order.

@@ -46,10 +46,10 @@ from ._mailbox import Ask
 from ._ref import Cell
 from ._spec import ChildSpec
 from ._timers import TimerEntry
-from ._types import SchedulerLike
+from ._types import NO_ITEMS, SchedulerLike
 from ._waiter import Waiter, cancel_scope_token
 
-__all__ = ["ExitWatcher", "Runtime", "RuntimeSystem"]
+__all__ = ["DEAD", "RUNNING", "STARTING", "STOPPING", "ExitWatcher", "Runtime", "RuntimeSystem"]
 
 STARTING = "starting"
 RUNNING = "running"
@@ -84,12 +84,13 @@ class _Child(Cell):
     """A supervisor's child: its cell (the registry entry at its path) and its record.
 
     One object, not a cell and a record beside it: a lease actor is started
-    per step. The record adds the spec, the current incarnation (also kept
-    after it ended, unlike `current`) and whether the supervisor removed it.
+    per step. The record adds the spec and the current incarnation (also kept
+    after it ended, unlike `current`). Its cell's `retired` says the
+    supervisor removed it (nothing else retires a child's cell).
     Here, not in `_supervisor`, because an incarnation reports its exit with it.
     """
 
-    __slots__ = ("last_reason", "removed", "runtime", "spec")
+    __slots__ = ("last_reason", "runtime", "spec")
 
     def __init__(self, path: str, registry: dict[str, Cell], spec: ChildSpec) -> None:
         # `Cell.__init__`'s fields, set here: one call per child, not two.
@@ -102,7 +103,6 @@ class _Child(Cell):
         self.cached_ref = None
         self.spec = spec
         self.runtime: Runtime | None = None
-        self.removed = False
         self.last_reason: BaseException | None = None  # handed to the next incarnation
 
     @property
@@ -118,71 +118,57 @@ class Runtime:
     # live in an instance dict (created on the first write) with class-level
     # defaults, so that starting an actor stores a dozen fields, not forty.
     __slots__ = (
-        "__dict__", "accepting", "actor", "busy", "cell", "child", "closed", "deferred", "done",
-        "inline", "queue", "reason", "sched", "scheduled", "scoped", "size", "stamp",
-        "start_hook", "started", "state", "stop_hook", "sup", "sync", "sysq", "system", "timers",
+        "__dict__", "_done_event", "accepting", "actor", "blocker", "busy", "cancelled", "cell",
+        "closed", "current", "deferred", "done", "holders", "hook_pending", "inline", "queue",
+        "reason", "sched", "scheduled", "scoped", "senders", "size", "stamp", "start_hook",
+        "started", "state", "stop_hook", "stop_requested", "sup", "sync", "sysq", "system",
+        "timers",
     )  # fmt: skip
 
-    senders: deque[Waiter] | None = None  # sends waiting for room
-    stop_requested = False
+    # Slots although rarely set: a dispatcher reads them before every item, or
+    # every stop does (a class default read through an instance is not
+    # specialised on 3.11: it costs several slot reads).
+    senders: deque[Waiter] | None  # sends waiting for room
+    stop_requested: bool
+    hook_pending: bool  # on_stop waits for a dispatcher (after an inline crash)
+    cancelled: bool  # killed / brutally stopped: end where it stands
+    current: Ask | None  # the ask whose handler runs now (dispatcher path)
+    holders: int  # children a cancelled supervisor waits for
+    blocker: Runtime | None  # the cancelled supervisor waiting for us
+    _done_event: anyio.Event | None
     start_pending = False  # on_start waits for a dispatcher (start_child_nowait)
-    hook_pending = False  # on_stop waits for a dispatcher (after an inline crash)
     hook_reason: BaseException | None = None
-    cancelled = False  # killed / brutally stopped: end where it stands
     cancel_reason: BaseException | None = None
     scope: anyio.CancelScope | None = None  # the waiting handler's scope
-    current: Ask | None = None  # the ask whose handler runs now (dispatcher path)
     expected_exit = False  # its supervisor stops it: no exit report
-    holders = 0  # children a cancelled supervisor waits for
-    blocker: Runtime | None = None  # the cancelled supervisor waiting for us
     finish_pending = False
-    _done_event: anyio.Event | None = None
 
-    def __init__(
-        self,
-        actor: Actor,
-        cell: Cell,
-        system: RuntimeSystem,
-        child: _Child | None = None,
-        sup: ExitWatcher | None = None,
-    ) -> None:
-        if actor._actor_incarnated:
-            raise RuntimeError(
-                f"{type(actor).__name__} instance was already started once; "
-                "ChildSpec.start must return a fresh actor for every incarnation"
-            )
-        cls = type(actor)
-        size = cls.mailbox_size
-        if type(size) is not int or size < 1:
-            raise ValueError(f"{cls.__name__}.mailbox_size must be an int >= 1, got {size!r}")
-        actor._actor_runtime = self
-        actor._actor_incarnated = True
-        self.actor = actor
-        self.cell = cell
-        self.system = system
-        self.sched: SchedulerLike[Runtime] = system._sched
-        self.child = child  # the supervisor's record of this child (None: the root)
-        self.sup = sup
-        self.queue: deque[Any] = deque()  # the mailbox
-        self.size = size
-        self.sysq: deque[Any] = deque()  # fired timers, child exits: served first
-        self.timers: dict[Hashable, TimerEntry] = {}
-        self.state = STARTING
-        self.start_hook = cls._actor_start_hook
-        self.stop_hook = cls._actor_stop_hook
-        self.scoped = cls._actor_scoped
-        self.deferred = cls.deferred_kill
-        self.sync = cls.sync_handlers
-        self.busy = False  # someone runs a handler (or the start or stop) now
-        self.scheduled = False  # on the ready queue
-        self.inline = False  # running, accepting, no stop requested: asks may run inline
-        self.accepting = True
-        self.started = False
-        self.closed = False
-        self.done = False
-        self.reason: BaseException | None = None
-        self.stamp: int | None = None  # `system._wall_stamp()` when started
-        cell.kind = cls.kind or cls.__name__
+    # Set by `_lifecycle.incarnate` (no `__init__`: calling a class with one
+    # costs more than all of its stores; see there).
+    actor: Actor
+    cell: Cell
+    system: RuntimeSystem
+    sched: SchedulerLike[Runtime]
+    sup: ExitWatcher | None  # who hears of its exit (None: the root, or once finished)
+    queue: deque[Any]
+    size: int
+    sysq: deque[Any]
+    timers: dict[Hashable, TimerEntry]
+    state: str
+    start_hook: bool
+    stop_hook: bool
+    scoped: bool
+    deferred: bool
+    sync: bool
+    busy: bool  # someone runs a handler (or the start or stop) now
+    scheduled: bool  # on the ready queue
+    inline: bool  # running, accepting, no stop requested: asks may run inline
+    accepting: bool
+    started: bool
+    closed: bool
+    done: bool
+    reason: BaseException | None
+    stamp: int | None  # `system._wall_stamp()` when started
 
     @property
     def path(self) -> str:
@@ -209,9 +195,12 @@ class Runtime:
         """
         if not self.accepting:
             raise ActorDead(self.cell.path, self.reason)
-        if len(self.queue) >= self.size:
+        queue = self.queue
+        if len(queue) >= self.size:
             raise anyio.WouldBlock
-        self.queue.append(item)
+        if queue is NO_ITEMS:
+            queue = self.queue = deque()
+        queue.append(item)
         if not self.busy and not self.scheduled:
             self.sched.schedule(self)
 
@@ -224,8 +213,11 @@ class Runtime:
         while True:
             if not self.accepting:
                 raise ActorDead(self.cell.path, self.reason)
-            if len(self.queue) < self.size:
-                self.queue.append(item)
+            queue = self.queue
+            if len(queue) < self.size:
+                if queue is NO_ITEMS:
+                    queue = self.queue = deque()
+                queue.append(item)
                 if not self.busy and not self.scheduled:
                     self.sched.schedule(self)
                 return
@@ -467,7 +459,8 @@ class Runtime:
             return
         self.state = DEAD
         self.done = True
-        self.finish_pending = False
+        if self.finish_pending:  # a class default until set: no instance dict for it
+            self.finish_pending = False
         event = self._done_event
         if event is not None:
             event.set()
@@ -477,10 +470,11 @@ class Runtime:
             blocker.holders -= 1
             if not blocker.holders and blocker.finish_pending:
                 blocker._finish(blocker.reason)
-        child, sup = self.child, self.sup
-        self.child = self.sup = None
-        if child is not None:
-            if child.removed:
+        sup = self.sup
+        if sup is not None:
+            self.sup = None
+            child: _Child = self.cell  # type: ignore[assignment]  # a child has a supervisor
+            if child.retired:  # removed by its supervisor
                 if child.current is self:  # `release()`, inlined: a stopped child
                     child.current = None  # is usually removed already
                 if child.runtime is self:
@@ -488,7 +482,7 @@ class Runtime:
                 actor = self.actor
                 if actor._actor_runtime is self:
                     actor._actor_runtime = None
-            elif not self.expected_exit and child.runtime is self and sup is not None:
+            elif not self.expected_exit and child.runtime is self:
                 sup._child_exited(child, self, reason)
 
     def release(self) -> None:
@@ -508,6 +502,14 @@ class Runtime:
             cell.runtime = None
         if self.actor._actor_runtime is self:
             self.actor._actor_runtime = None
+
+    def add_system(self, item: object) -> None:
+        """Queue `item` (a child's exit) on the system queue; its own deque on the first."""
+        sysq = self.sysq
+        if sysq is NO_ITEMS:
+            sysq = self.sysq = deque()
+        sysq.append(item)
+        self.notify()
 
     def has_pending(self) -> bool:
         return bool(self.queue) or bool(self.sysq)

@@ -48,13 +48,19 @@ from ._actor import Actor
 from ._errors import (
     ActorDead,
     ActorKilled,
-    ActorNotFound,
-    ChildExists,
     StartFailed,
     SupervisorEscalation,
 )
 from ._intensity import add_restart
-from ._lifecycle import start_inline, start_now, start_soon, stop_gracefully, stop_now
+from ._lifecycle import (
+    add_child,
+    incarnate,
+    start_inline,
+    start_now,
+    start_soon,
+    stop_gracefully,
+    take_child,
+)
 from ._ref import ActorRef, SupervisorRef
 from ._runtime import Runtime, _Child
 from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
@@ -62,6 +68,7 @@ from ._spec import DEFAULT_WORKER_SHUTDOWN, ChildSpec, Restart, Strategy
 __all__ = ["Supervisor", "SupervisorRef"]
 
 log = logging.getLogger("stepd.actors")
+
 
 
 class _ChildExit:
@@ -157,20 +164,15 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
-            raise TypeError(f"start_child() takes a ChildSpec, got {spec!r}")
-        child = self._new_child(spec)
-        try:
-            runtime = self._incarnate(child)
-            if runtime.start_hook:
-                await start_inline(runtime)
-            else:
-                runtime.mark_started()  # nothing to wait for: an object and a dict entry
-        except BaseException:
-            if self._children.get(spec.id) is child:
-                self._remove(child)
-            raise
-        return child.ref()
+        child = self._add_child(spec, "start_child")
+        runtime = child.runtime
+        assert runtime is not None
+        if not runtime.started:
+            await self._handshake(child, runtime)
+        ref = child.cached_ref  # `child.ref()`, inlined
+        if ref is None:
+            ref = child.cached_ref = runtime.actor._actor_ref_type(child)
+        return ref
 
     def start_child_nowait(self, spec: ChildSpec) -> ActorRef:
         """Start a child without waiting for its `on_start`; return its ref at once.
@@ -189,16 +191,11 @@ class Supervisor(Actor):
             ActorDead: this supervisor is not running (or is stopping).
             TypeError: `spec` is not a `ChildSpec`.
         """
-        if type(spec) is not ChildSpec and not isinstance(spec, ChildSpec):
-            raise TypeError(f"start_child_nowait() takes a ChildSpec, got {spec!r}")
-        child = self._new_child(spec)
-        try:
-            runtime = self._incarnate(child)
-        except BaseException:
-            self._remove(child)
-            raise
-        if not runtime.start_hook:
-            runtime.mark_started()
+        child = self._add_child(spec, "start_child_nowait")
+        runtime = child.runtime
+        assert runtime is not None
+        if runtime.started:
+            pass
         elif runtime.actor.sync_start:
             start_now(runtime)
         else:
@@ -208,24 +205,19 @@ class Supervisor(Actor):
             ref = child.cached_ref = runtime.actor._actor_ref_type(child)
         return ref
 
-    def _new_child(self, spec: ChildSpec) -> _Child:
-        """Register a child (its record and cell) for `spec` (`ActorDead`, `ChildExists`)."""
-        rt = self._actor_runtime
-        if rt is None:
-            raise self._not_running()
-        if not self._accepting:
-            raise ActorDead(rt.cell.path, rt.reason)
-        children = self._children
-        child_id = spec.id
-        parent = rt.cell
-        path = parent.path
-        path = "/" + child_id if path == "/" else path + "/" + child_id
-        if child_id in children:
-            raise ChildExists(path)
-        registry = parent.registry
-        child = children[child_id] = _Child(path, registry, spec)
-        registry[path] = child  # `cell.register()`, inlined
-        return child
+    # `start_child`'s and `stop_child`'s halves that never wait (`_lifecycle`):
+    # methods, as `SupervisorRef` calls them on the supervisor it reaches.
+    _add_child = add_child
+    _take_child = take_child
+
+    async def _handshake(self, child: _Child, runtime: Runtime) -> None:
+        """Run a new child's `on_start` in the caller's task; on failure nothing stays."""
+        try:
+            await start_inline(runtime)
+        except BaseException:
+            if self._children.get(child.spec.id) is child:
+                self._remove(child)
+            raise
 
     async def stop_child(self, child_id: str) -> None:
         """Stop a child gracefully (within its spec's `shutdown`) and remove it.
@@ -237,14 +229,9 @@ class Supervisor(Actor):
         Raises:
             ActorNotFound: no child has this id.
         """
-        child = self._children.get(child_id)
-        if child is None:
-            raise ActorNotFound(_child_path(self._rt().path, child_id))
-        self._remove(child)
-        runtime = child.runtime
-        if runtime is not None and stop_now(runtime):
-            return  # idle, no on_stop: stopped synchronously
-        await self._stop_incarnation(child)
+        child = self._take_child(child_id)
+        if child is not None:
+            await self._stop_incarnation(child)
 
     def count_children(self) -> int:
         """How many children this supervisor has now (cheap: no list is built)."""
@@ -309,12 +296,11 @@ class Supervisor(Actor):
                     runtime.blocker = rt
 
     def _remove(self, child: _Child) -> None:
-        child.removed = True
         children = self._children
         child_id = child.spec.id
         if child_id in children and children[child_id] is child:  # no `get` call (a lease a step)
             del children[child_id]
-        child.retired = True  # `child.retire()`, inlined (one per lease)
+        child.retired = True  # `child.retire()`, inlined; also says it is removed (`_Child`)
         child.cached_ref = None  # its ref points back at it: no cycle left behind
         registry = child.registry
         path = child.path
@@ -343,7 +329,7 @@ class Supervisor(Actor):
                 raise TypeError(
                     f"ChildSpec {child.spec.id!r}: start() must return an Actor, got {actor!r}"
                 )
-            runtime = Runtime(actor, child, rt.system, child, self)
+            runtime = incarnate(actor, child, rt.system, self)
         except Exception as exc:
             raise StartFailed(child.path) from exc
         actor.restart_reason, child.last_reason = child.last_reason, None
@@ -376,8 +362,7 @@ class Supervisor(Actor):
                 # nothing runs between the check and the bookkeeping).
                 self._remove(child)
                 return
-            rt.sysq.append(_ChildExit(child, runtime, reason))
-            rt.notify()
+            rt.add_system(_ChildExit(child, runtime, reason))
 
     async def _stop_incarnation(self, child: _Child) -> None:
         runtime = child.runtime
@@ -404,7 +389,7 @@ class Supervisor(Actor):
         if type(item) is not _ChildExit:
             return False
         child = item.child
-        if child.removed or child.runtime is not item.runtime:
+        if child.retired or child.runtime is not item.runtime:
             return True  # stale: stopped on purpose, or already replaced
         if item.reason is None and not _should_restart(child.spec.restart, None):
             self._remove(child)
@@ -413,7 +398,7 @@ class Supervisor(Actor):
 
     async def _on_child_exit(self, event: _ChildExit) -> None:
         child = event.child
-        if child.removed or child.runtime is not event.runtime:
+        if child.retired or child.runtime is not event.runtime:
             return  # stale: stopped on purpose, or already replaced
         reason = event.reason
         if isinstance(reason, ActorKilled):
@@ -457,14 +442,14 @@ class Supervisor(Actor):
             failed.last_reason = reason  # its next incarnation learns why it is restarted
             try:
                 for child in group:
-                    if child.removed or (child.runtime is not None and not child.runtime.done):
+                    if child.retired or (child.runtime is not None and not child.runtime.done):
                         continue
                     child.restarts += 1
                     failed = child
                     try:
                         await self._start_incarnation(child)
                     except StartFailed:
-                        if child.removed:
+                        if child.retired:
                             continue  # stop_child() took it away meanwhile: fine
                         raise
             except StartFailed as exc:

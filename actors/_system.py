@@ -33,7 +33,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ._clock import Clock, SystemClock
 from ._errors import ActorDead, ActorKilled, ActorNotFound
-from ._lifecycle import start_inline, stop_gracefully
+from ._lifecycle import incarnate, start_inline, stop_gracefully
 from ._ref import ActorRef, Cell
 from ._runtime import Runtime
 from ._scheduler import DEFAULT_MAX_DISPATCHERS, Scheduler
@@ -131,7 +131,7 @@ class ActorSystem:
             await tg.start(self._run_dispatchers)
             cell = Cell("/", self._registry)
             cell.register()
-            self._root_rt = Runtime(self._root, cell, self)
+            self._root_rt = incarnate(self._root, cell, self)
             cell.install(self._root_rt)
             try:
                 await start_inline(self._root_rt)  # the root's start, in this task

@@ -36,6 +36,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from ._clock import Clock
+from ._types import NO_ITEMS, NO_TIMERS
 
 __all__ = ["TimerEntry", "TimerOwner", "TimerService"]
 
@@ -47,11 +48,9 @@ _CANCELLED = 2
 class TimerOwner(Protocol):
     """What the timer service needs of the incarnation owning a timer (a `Runtime`)."""
 
-    @property
-    def timers(self) -> dict[Hashable, TimerEntry]: ...
-
-    @property
-    def sysq(self) -> deque[Any]: ...
+    # Written: both start as the shared empties (`_types.NO_ITEMS`, `NO_TIMERS`).
+    timers: dict[Hashable, TimerEntry]
+    sysq: deque[Any]
 
     def notify(self) -> None: ...
 
@@ -95,7 +94,9 @@ class TimerService:
     def arm(self, owner: TimerOwner, key: Hashable, deadline: float, message: object) -> None:
         """Arm (or re-arm) `owner`'s timer `key`."""
         timers = owner.timers
-        if key in timers:
+        if timers is NO_TIMERS:
+            timers = owner.timers = {}  # its first timer: its own dict
+        elif key in timers:
             self._retire(timers.pop(key))
         entry = TimerEntry(owner, key, deadline, message)
         timers[key] = entry
@@ -157,7 +158,10 @@ class TimerService:
             entry.state = _FIRED
             self._live -= 1
             owner = entry.owner
-            owner.sysq.append(entry)
+            sysq = owner.sysq
+            if sysq is NO_ITEMS:
+                sysq = owner.sysq = deque()
+            sysq.append(entry)
             owner.notify()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -20,11 +20,29 @@ nothing about them runs per message.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, ClassVar, Final, Protocol, TypeVar
 
 import anyio
 
-__all__ = ["ActorLike", "Dispatcher", "Driven", "SchedulerLike", "ScopedActor"]
+__all__ = [
+    "NO_ITEMS",
+    "NO_TIMERS",
+    "ActorLike",
+    "Dispatcher",
+    "Driven",
+    "SchedulerLike",
+    "ScopedActor",
+]
+
+#: The mailbox and system queue of an incarnation that has had no item yet,
+#: shared by all of them: whoever queues the first item gives the incarnation
+#: its own deque (``if queue is NO_ITEMS``). Never append to it.
+NO_ITEMS: Final[deque[Any]] = deque()
+#: The timers of an incarnation that never armed one, shared likewise
+#: (`TimerService.arm` gives it its own dict). Never store into it.
+NO_TIMERS: Final[dict[Hashable, Any]] = {}
 
 _R_contra = TypeVar("_R_contra", contravariant=True)
 

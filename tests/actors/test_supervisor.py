@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -611,7 +611,7 @@ async def test_kills_are_restarted_but_not_counted_toward_the_intensity() -> Non
 
 
 class _Reasons(Rec):
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
     async def on_start(self) -> None:
         reason = self.restart_reason
