@@ -245,7 +245,7 @@ class SessionActor(Actor):
 
     async def _due_fired(self, message: Due) -> None:
         self._due.fired()
-        if self.has_pending():
+        if self.machine.claims and self.has_pending():
             # Fired timers are served before the mailbox, but a claim's deadline must
             # not answer it ahead of the slots already queued for it: a `wait_ms` 0
             # claim's deadline is now, and the registry's `SlotFor`s of its queued

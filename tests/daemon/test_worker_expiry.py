@@ -70,7 +70,7 @@ async def test_idle_workers_are_forgotten_busy_ones_kept(tmp_path: Path) -> None
                 if len(await listed()) == 2:
                     break
                 await anyio.sleep(0.01)
-            assert await listed() == {holder, pusher}
+            assert await listed() == {holder, pusher}, [(w["name"], w.get("connected"), w.get("leases")) for w in await engine.workers()]
             assert not set(many) & await listed()
         finally:
             conn.detach()
