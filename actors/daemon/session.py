@@ -24,6 +24,7 @@ connection attached before it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -359,6 +360,7 @@ class SessionActor(Actor):
         self._due.arm(self.s, self, self.machine.next_deadline())
 
 
+@dataclass(frozen=True, slots=True)
 class _Tick:
     """A session's deadline, handled after the messages that were queued when it fired."""
 
