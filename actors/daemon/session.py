@@ -24,8 +24,8 @@ connection attached before it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stepd.actors import Actor, WouldBlock
