@@ -11,8 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, Self
 
 from ._types import ActorLike
 
@@ -52,9 +51,25 @@ class Strategy(enum.Enum):
     REST_FOR_ONE = "rest_for_one"
 
 
-@dataclass(frozen=True, slots=True)
-class ChildSpec:
+class _ChildSpecFields(NamedTuple):
+    id: str
+    start: Callable[[], ActorLike]  # an `Actor`, checked at start (_spec sits below _actor)
+    restart: Restart = Restart.PERMANENT
+    shutdown: float | Literal["brutal"] | None = None
+
+
+_new_tuple = tuple.__new__
+_PERMANENT = Restart.PERMANENT
+
+
+class ChildSpec(_ChildSpecFields):
     """How a supervisor starts, restarts and stops one child.
+
+    Immutable, as OTP's child specs are data: a named tuple, not a frozen
+    dataclass, because the daemon makes one per lease attempt and a frozen
+    dataclass costs ~2.5 us to build (four ``object.__setattr__`` calls and a
+    ``__post_init__``) where this costs ~1 us (bench/README.md, "The actor
+    runtime at issue 13's spawn target").
 
     Attributes:
         id: unique among its siblings; also the last segment of the child's
@@ -75,26 +90,27 @@ class ChildSpec:
         TypeError: if `start` is not callable, or `restart` is not a `Restart`.
     """
 
-    id: str
-    start: Callable[[], ActorLike]  # an `Actor`, checked at start (_spec sits below _actor)
-    restart: Restart = Restart.PERMANENT
-    shutdown: float | Literal["brutal"] | None = None
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
+    def __new__(
+        cls,
+        id: str,
+        start: Callable[[], ActorLike],
+        restart: Restart = _PERMANENT,
+        shutdown: float | Literal["brutal"] | None = None,
+    ) -> Self:
         # `type(x) is T` first: a spec is made per lease attempt, and these
         # checks cost no call when they pass.
-        child_id = self.id
-        if (type(child_id) is not str and not isinstance(child_id, str)) or not child_id or (
-            "/" in child_id or child_id in (".", "..")
+        if (type(id) is not str and not isinstance(id, str)) or not id or (
+            "/" in id or id in (".", "..")
         ):
             raise ValueError(
-                f"ChildSpec.id must be a non-empty path segment without '/', got {self.id!r}"
+                f"ChildSpec.id must be a non-empty path segment without '/', got {id!r}"
             )
-        if not callable(self.start):
-            raise TypeError(f"ChildSpec.start must be a zero-argument callable, got {self.start!r}")
-        if type(self.restart) is not Restart:
-            raise TypeError(f"ChildSpec.restart must be a Restart, got {self.restart!r}")
-        shutdown = self.shutdown
+        if not callable(start):
+            raise TypeError(f"ChildSpec.start must be a zero-argument callable, got {start!r}")
+        if type(restart) is not Restart:
+            raise TypeError(f"ChildSpec.restart must be a Restart, got {restart!r}")
         if shutdown is not None and shutdown != "brutal":
             if isinstance(shutdown, bool) or not isinstance(shutdown, (int, float)):
                 raise ValueError(
@@ -102,3 +118,4 @@ class ChildSpec:
                 )
             if math.isnan(shutdown) or shutdown < 0:
                 raise ValueError(f"ChildSpec.shutdown must be >= 0 seconds, got {shutdown!r}")
+        return _new_tuple(cls, (id, start, restart, shutdown))
