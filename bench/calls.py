@@ -1,6 +1,6 @@
 """``python -m bench.calls``: Python function calls per step, a deterministic cost counter.
 
-    python -m bench.calls [--runs 10] [--top 25] [--setups websocket,http,embedded]
+    python -m bench.calls [--runs 10] [--steps 20] [--top 25] [--setups websocket,http,embedded]
                           [--update-budget] [--check-budget] [--keep]
 
 PEERS.md's workload A, sequentially (one ``seq(20)`` run at a time, so that
@@ -56,7 +56,7 @@ import stepd
 from bench import _setups
 from bench._calls_agent import Recorder
 from bench._procs import STOP_WAIT_S, Child
-from bench._workloads import run_seq, warm_up
+from bench._workloads import SEQ, run_seq, warm_up
 
 SETUPS = ("websocket", "http", "embedded")
 BUDGET = Path(__file__).resolve().parent / "calls_budget.json"
@@ -366,8 +366,12 @@ def areas_table(rows: list[dict[str, Any]], limit: int = 12) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STEPS  # one run of the tool counts one shape of run
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="seq(20) runs counted per setup")
+    parser.add_argument("--steps", type=int, default=STEPS, choices=sorted(SEQ),
+                        help="count seq(N) runs (1: what a run costs beyond its steps: the "
+                             "start, the result, the run's own end); figures stay per step")
     parser.add_argument("--top", type=int, default=25,
                         help="top functions of the daemon side by calls per step (0: none)")
     parser.add_argument("--setups", default=",".join(SETUPS))
@@ -384,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs must be at least 1")
     if args.update_budget and set(setups) != set(SETUPS):
         parser.error("--update-budget measures every setup")
+    if args.steps != STEPS and (args.update_budget or args.check_budget):
+        parser.error(f"the budget is of seq({STEPS}) runs; leave --steps at {STEPS}")
+    STEPS = args.steps
 
     t0 = time.perf_counter()
     LOCAL.install_thread_gate()  # before the embedded daemon starts its writer thread
