@@ -125,35 +125,52 @@ class Gate:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # One plain lock for the counters; the condition (on the same lock) is
+        # only waited on when a resize is pending, which is rare. A read takes
+        # the plain lock twice and calls no Python function of `threading`
+        # (`Condition.__enter__` is one): a read happens several times a run.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._readers = 0
         self._exclusive = False
         self._exclusive_waiting = 0
         self._local = threading.local()
 
+    def enter_shared(self) -> None:
+        """Hold the gate shared (a read transaction may open); pair with `exit_shared`."""
+        local = self._local
+        depth: int = getattr(local, "depth", 0)
+        if depth:  # re-entry: this thread already keeps the resizer out
+            local.depth = depth + 1
+            return
+        with self._lock:
+            if self._exclusive or self._exclusive_waiting:
+                while self._exclusive or self._exclusive_waiting:
+                    self._cond.wait()
+            self._readers += 1
+        local.depth = 1
+
+    def exit_shared(self) -> None:
+        """Release what `enter_shared` took."""
+        local = self._local
+        depth: int = local.depth
+        if depth > 1:
+            local.depth = depth - 1
+            return
+        local.depth = 0
+        with self._lock:
+            self._readers -= 1
+            if self._readers == 0 and self._exclusive_waiting:
+                self._cond.notify_all()
+
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
-        depth: int = getattr(self._local, "depth", 0)
-        if depth:  # re-entry: this thread already keeps the resizer out
-            self._local.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._local.depth = depth
-            return
-        with self._cond:
-            while self._exclusive or self._exclusive_waiting:
-                self._cond.wait()
-            self._readers += 1
-        self._local.depth = 1
+        """`enter_shared`/`exit_shared` as a block (`StorageReads.read` calls them itself)."""
+        self.enter_shared()
         try:
             yield
         finally:
-            self._local.depth = 0
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0 and self._exclusive_waiting:
-                    self._cond.notify_all()
+            self.exit_shared()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

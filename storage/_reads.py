@@ -27,6 +27,8 @@ __all__ = ["StorageReads"]
 Ts = TypeVarTuple("Ts")
 T = TypeVar("T")
 
+_new = object.__new__
+
 #: How many times this process is a fork child of one that imported this module:
 #: bumped in the child (``os.register_at_fork``), so a storage opened before the
 #: fork sees another count than its own. A global read per operation instead of an
@@ -87,16 +89,22 @@ class StorageReads:
         """
         if FORKS != self._forks:
             self._check_pid()
-        with self._gate.shared():
+        gate = self._gate  # `with gate.shared():`, spelled out: ~10 calls fewer a read
+        gate.enter_shared()
+        try:
             if self._closed:
                 raise StorageClosed("the storage is closed")
             txn = self._env.begin(write=False)
-            rtxn = ReadTxn(txn, self._dbs)
+            rtxn = _new(ReadTxn)  # `ReadTxn(txn, dbs)` without its Python `__init__`
+            rtxn._txn = txn
+            rtxn._dbs = self._dbs
             try:
                 return fn(rtxn, *args)
             finally:
-                rtxn._finish()
+                rtxn._txn = None  # `_finish()`: invalid once `fn` returned
                 txn.abort()
+        finally:
+            gate.exit_shared()
 
     def get(self, table: str, key: Key) -> object | None:
         """Return the decoded value under ``key`` in ``table``, or ``None``.

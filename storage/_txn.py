@@ -87,6 +87,8 @@ class ReadTxn:
         # run records); anything unusual takes `get_raw` for its errors.
         txn = self._txn
         db = self._dbs.get(table)
+        if type(key) is str:  # `to_key`, inlined: run and lease ids are str
+            key = key.encode()
         if txn is None or db is None or type(key) is not bytes:
             raw = self.get_raw(table, key)
         else:

@@ -214,21 +214,26 @@ class RunOps(ApiBase):
         } for s in page], cursor
 
     async def result(self, run_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
-        """Wait until the run is terminal (at most `wait_ms`), then return its status."""
-        view = self.status(run_id)
-        if view["status"] in _TERMINAL or wait_ms <= 0:
-            return view
+        """Wait until the run is terminal (at most `wait_ms`), then return its status.
+
+        One status view, built at the end: while waiting, only the stored record's
+        status is read (a view costs two reads, a record decode and a machine).
+        The waiter is registered before that read, so an end committed between the
+        read and the wait still wakes it.
+        """
+        if wait_ms <= 0:
+            return self.status(run_id)
         watch = self.services.watch
         waiter = watch.waiter(run_id)
         try:
-            view = self.status(run_id)  # it may have ended between the read and the waiter
-            if view["status"] in _TERMINAL:
-                return view
-            with anyio.move_on_after(min(wait_ms, self.config.max_request_ms) / 1000):
-                await waiter.wait()
+            raw = self._record(run_id)
+            if raw["status"] not in _TERMINAL:
+                with anyio.move_on_after(min(wait_ms, self.config.max_request_ms) / 1000):
+                    await waiter.wait()
+                raw = self._record(run_id)
         finally:
             watch.forget(run_id, waiter)
-        return self.status(run_id)
+        return self._view(self._machine(raw))
 
     async def signal(self, run_id: str, name: str, payload: Any = None, *,
                      audit: _audit.AuditEntry | None = None) -> None:
