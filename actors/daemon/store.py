@@ -45,7 +45,6 @@ from stepd.storage import (
     journal_prefix,
     journal_txn,
     timer_key,
-    u64be,
 )
 
 from . import listing
@@ -193,8 +192,8 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
                       w.record.get("correlation") if w.create else None)
     if w.journal:  # the run's key prefix once, not once an entry (~4 a step)
         prefix = journal_prefix(w.run_id)
-        for entry in w.journal:
-            txn.put(JOURNAL, prefix + u64be(entry["seq"]), entry)
+        for entry in w.journal:  # `u64be(seq)` as one C call (the machine's seqs are >= 1)
+            txn.put(JOURNAL, prefix + entry["seq"].to_bytes(8, "big"), entry)
     if w.due_old != w.due_new:
         if w.due_old is not None:
             txn.delete(TIMERS, timer_key(w.due_old, w.run_id, TIMER_TAG))
