@@ -153,6 +153,7 @@ class Storage(StorageReads):
         on_deferred_error: Callable[[BaseException], object] | None = None,
         max_batch: int = 1024,
         clock: Callable[[], float] | None = None,
+        commit_on_loop: bool = True,
     ) -> AsyncIterator[Storage]:
         """Open the data directory at ``path`` for the duration of the context.
 
@@ -175,6 +176,10 @@ class Storage(StorageReads):
             max_batch: the most requests in one write transaction.
             clock: monotonic seconds for the deferred-flush deadline (defaults
                 to ``time.monotonic``); the writer still waits in real time.
+            commit_on_loop: let a batch run on the event loop's thread while
+                the writer thread is idle and commits are quick (the default;
+                `Writer.run_inline`, the ``_writer`` module's docstring); the
+                `commit_on_loop` attribute changes it later.
 
         Yields:
             The open :class:`Storage`.
@@ -223,6 +228,7 @@ class Storage(StorageReads):
                     call_soon=call_soon,
                     local_call_soon=local_call_soon,
                 )
+                storage.commit_on_loop = commit_on_loop
                 storage._thread.start()
             except BaseException:
                 opened.env.close()
@@ -297,7 +303,10 @@ class Storage(StorageReads):
     # -- writes -------------------------------------------------------------
 
     async def write(self, fn: Callable[[WriteTxn, Unpack[Ts]], T], *args: *Ts) -> T:
-        """Run ``fn(txn, *args)`` on the writer thread; return its value once durable.
+        """Run ``fn(txn, *args)`` in the next batch; return its value once durable.
+
+        The batch runs on the writer thread, or on this (the event loop's)
+        thread when the writer is idle and commits are quick (`commit_on_loop`).
 
         ``fn`` runs inside the next batch's write transaction, in its own nested
         transaction, after every write submitted before it. It must be a pure
@@ -390,7 +399,8 @@ class Storage(StorageReads):
         if not staged:
             return
         try:
-            self._writer.submit(staged)
+            if not self._writer.run_inline(staged):  # idle thread, quick commits: here
+                self._writer.submit(staged)
         except StorageClosed as exc:  # the writer died meanwhile: fail them here
             for req in staged:
                 req.error = StorageClosed("the storage writer stopped")
@@ -425,6 +435,19 @@ class Storage(StorageReads):
         if self._staged:
             stats = dataclasses.replace(stats, queued=stats.queued + len(self._staged))
         return stats
+
+    @property
+    def commit_on_loop(self) -> bool:
+        """Whether a batch may run on the event loop's thread (see `Storage.open`).
+
+        Off for a test that holds the writer inside a request function: on the
+        loop, that request would hold the loop instead.
+        """
+        return self._writer.inline_enabled
+
+    @commit_on_loop.setter
+    def commit_on_loop(self, on: bool) -> None:
+        self._writer.inline_enabled = bool(on)
 
     @property
     def writer_thread_id(self) -> int | None:

@@ -99,10 +99,15 @@ async def writer_held(engine: Daemon) -> AsyncIterator[anyio.abc.TaskGroup]:
         holding.set()
         gate.wait(10)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(engine.storage.write, held)
-        await eventually(holding.is_set, what="the writer held")
-        try:
-            yield tg
-        finally:
-            gate.set()
+    storage = engine.storage
+    storage.commit_on_loop = False  # held on the loop, it would hold the loop itself
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(storage.write, held)
+            await eventually(holding.is_set, what="the writer held")
+            try:
+                yield tg
+            finally:
+                gate.set()
+    finally:
+        storage.commit_on_loop = True

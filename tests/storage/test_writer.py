@@ -1,5 +1,11 @@
 """The group-commit writer: batching, ordering, isolation, failures, deferred
-writes, one thread, MVCC, map growth."""
+writes, one thread, MVCC, map growth.
+
+These are the writer thread's: every storage here is opened with
+``commit_on_loop=False``, since a request that holds the writer (`Holder`)
+would hold the event loop instead if its batch ran there. The loop's own
+path (the default while the thread is idle) is tests/storage/test_commit_on_loop.py.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,11 @@ from stepd.storage import (
 )
 
 WAIT_S = 10.0  # a bound for every blocking wait, so a broken test fails instead of hanging
+
+
+def open_storage(path: Any, **kwargs: Any) -> Any:
+    """`Storage.open` with every batch on the writer thread (the module docstring)."""
+    return Storage.open(path, commit_on_loop=False, **kwargs)
 
 
 def put_txn(txn: WriteTxn, key: str, value: object) -> None:
@@ -108,7 +119,7 @@ async def run_as_one_batch(
 # machine the burst alone can hold the loop past the guard's threshold.
 @pytest.mark.loop_block_ok
 async def test_concurrent_writes_are_batched_and_all_acknowledged(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         before = storage.statistics()
         async with anyio.create_task_group() as tg:
             for i in range(200):
@@ -131,7 +142,7 @@ async def test_requests_apply_in_submission_order_within_a_batch(tmp_path: Path)
         txn.put("runs", "n", seen + 1)
         return seen
 
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         results = await run_as_one_batch(
             storage,
             {
@@ -153,7 +164,7 @@ async def test_a_raising_request_rolls_back_alone(tmp_path: Path) -> None:
         txn.put("runs", "c", 3)
         return txn.get("runs", "b")
 
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         before = storage.statistics()
         results = await run_as_one_batch(
             storage,
@@ -180,7 +191,7 @@ async def test_a_commit_failure_fails_every_caller_of_the_batch(tmp_path: Path) 
         raise ValueError("its own error")
 
     cause = OSError(5, "injected I/O error")
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         results = await run_as_one_batch(
             storage,
             {"a": (put_txn, ("a", 1)), "b": (raise_txn, ()), "c": (put_txn, ("c", 3))},
@@ -206,19 +217,19 @@ def append_txn(txn: WriteTxn, item: str) -> list[object]:
 
 
 async def test_deferred_writes_are_ordered_with_awaited_ones(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=60_000) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=60_000) as storage:
         storage.write_deferred(append_txn, "d1")
         assert await storage.write(append_txn, "w2") == ["d1", "w2"]
         storage.write_deferred(append_txn, "d3")
         storage.write_deferred(append_txn, "d4")
         assert await storage.write(append_txn, "w5") == ["d1", "w2", "d3", "d4", "w5"]
         storage.write_deferred(append_txn, "d6")
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         assert storage.get("runs", "log") == ["d1", "w2", "d3", "d4", "w5", "d6"]
 
 
 async def test_deferred_writes_wait_for_the_next_awaited_write(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=60_000) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=60_000) as storage:
         before = storage.statistics()
         storage.write_deferred(put_txn, "d", 1)
         await anyio.sleep(0.05)
@@ -230,7 +241,7 @@ async def test_deferred_writes_wait_for_the_next_awaited_write(tmp_path: Path) -
 
 
 async def test_a_burst_of_deferred_writes_is_flushed_by_one_commit(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=50) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=50) as storage:
         before = storage.statistics()
         started = time.monotonic()
         for i in range(100):
@@ -255,7 +266,7 @@ async def test_the_writer_wakes_for_submissions_racing_its_timed_waits(tmp_path:
     # queue deferred writes and the loop awaited ones: a wake-up landing just as a
     # wait times out must neither be lost (a write left queued) nor released twice.
     per_thread = 300
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=1) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=1) as storage:
         before = storage.statistics()
 
         def submit_from_thread(n: int) -> None:
@@ -281,7 +292,7 @@ async def test_the_writer_wakes_for_submissions_racing_its_timed_waits(tmp_path:
 
 async def test_the_flush_deadline_follows_the_given_clock(tmp_path: Path) -> None:
     now = [1000.0]
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=10, clock=lambda: now[0]) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=10, clock=lambda: now[0]) as storage:
         storage.write_deferred(put_txn, "d", 1)
         await anyio.sleep(0.1)  # ten flush delays of real time, none of clock time
         assert storage.get("runs", "d") is None
@@ -292,9 +303,9 @@ async def test_the_flush_deadline_follows_the_given_clock(tmp_path: Path) -> Non
 
 
 async def test_deferred_writes_are_flushed_on_close(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db", deferred_flush_ms=60_000) as storage:
+    async with open_storage(tmp_path / "db", deferred_flush_ms=60_000) as storage:
         storage.write_deferred(put_txn, "d", 1)
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         assert storage.get("runs", "d") == 1
 
 
@@ -309,7 +320,7 @@ async def test_deferred_errors_go_to_the_callback_on_the_loop_thread(tmp_path: P
     def on_error(exc: BaseException) -> None:
         errors.append((exc, threading.get_ident()))
 
-    async with Storage.open(tmp_path / "db", on_deferred_error=on_error) as storage:
+    async with open_storage(tmp_path / "db", on_deferred_error=on_error) as storage:
         storage.write_deferred(boom_txn)
         storage.write_deferred(put_txn, "ok", 1)
         await storage.write(put_txn, "w", 2)
@@ -328,7 +339,7 @@ async def test_deferred_errors_fail_the_storage_context_by_default(
         pytest.raises(ZeroDivisionError, match="deferred failure"),
         anyio.fail_after(WAIT_S),
     ):
-        async with Storage.open(tmp_path / "db", deferred_flush_ms=1) as storage:
+        async with open_storage(tmp_path / "db", deferred_flush_ms=1) as storage:
             storage.write_deferred(boom_txn)
             await anyio.sleep(WAIT_S * 2)  # cancelled by the failure
             reached_end = True
@@ -342,13 +353,13 @@ async def test_a_raising_callback_fails_the_storage_context(tmp_path: Path) -> N
 
     with pytest.raises(RuntimeError, match="callback broke"):
         with anyio.fail_after(WAIT_S):
-            async with Storage.open(tmp_path / "db", on_deferred_error=on_error) as storage:
+            async with open_storage(tmp_path / "db", on_deferred_error=on_error) as storage:
                 storage.write_deferred(boom_txn)
                 await anyio.sleep(WAIT_S * 2)
 
 
 async def test_a_cancelled_write_still_commits(tmp_path: Path) -> None:
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         holder = Holder()
         async with anyio.create_task_group() as tg:
             tg.start_soon(storage.write, holder.hold_txn)
@@ -368,7 +379,7 @@ async def test_writes_run_on_one_thread_which_is_not_the_loops(tmp_path: Path) -
         threads.add(threading.get_ident())
         txn.put("runs", u64be(i), i)
 
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         for round_ in range(20):
             async with anyio.create_task_group() as tg:
                 for i in range(10):
@@ -392,7 +403,7 @@ async def test_reads_never_see_a_half_applied_batch(tmp_path: Path) -> None:
     def read_all_txn(txn: ReadTxn) -> list[object]:
         return [txn.get("runs", k) for k in ("a", "b", "c")]
 
-    async with Storage.open(tmp_path / "db") as storage:
+    async with open_storage(tmp_path / "db") as storage:
         requests: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
             "a": (put_txn, ("a", 1)),
             "b": (put_signal_wait_txn, ()),
@@ -422,7 +433,7 @@ async def test_map_grows_under_many_writers(tmp_path: Path) -> None:
             storage.scan("runs", limit=3, reverse=True)
             await anyio.sleep(0.001)
 
-    async with Storage.open(tmp_path / "db", map_size=64 << 10, max_map_size=64 << 20) as storage:
+    async with open_storage(tmp_path / "db", map_size=64 << 10, max_map_size=64 << 20) as storage:
         async with anyio.create_task_group() as outer:
             outer.start_soon(reader)
             async with anyio.create_task_group() as tg:
@@ -434,7 +445,7 @@ async def test_map_grows_under_many_writers(tmp_path: Path) -> None:
         assert stats.map_size >= 1 << 20
         assert len(acked) == 32 * 40
         assert all(storage.get("runs", k) is not None for k in acked)
-    async with Storage.open(tmp_path / "db", map_size=64 << 10) as storage:
+    async with open_storage(tmp_path / "db", map_size=64 << 10) as storage:
         assert storage.read(ReadTxn.count, "runs") == len(acked)
 
 
@@ -452,7 +463,7 @@ async def test_storage_full_beyond_the_maximum_loses_no_acknowledged_write(tmp_p
                 return
             acked.append(key)
 
-    async with Storage.open(tmp_path / "db", map_size=64 << 10, max_map_size=256 << 10) as storage:
+    async with open_storage(tmp_path / "db", map_size=64 << 10, max_map_size=256 << 10) as storage:
         async with anyio.create_task_group() as tg:
             for w in range(16):
                 tg.start_soon(writer, w)
@@ -461,7 +472,7 @@ async def test_storage_full_beyond_the_maximum_loses_no_acknowledged_write(tmp_p
         assert acked, "nothing was acknowledged before the map was full"
         assert stats.map_size == 256 << 10 and stats.map_growths == 2
         assert all(storage.get("runs", k) is not None for k in acked)
-    async with Storage.open(tmp_path / "db", map_size=64 << 10, max_map_size=256 << 10) as storage:
+    async with open_storage(tmp_path / "db", map_size=64 << 10, max_map_size=256 << 10) as storage:
         stored = {k.decode() for k, _ in storage.scan("runs")}
         assert set(acked) <= stored
         assert len(stored) == len(acked)  # and nothing that failed was stored
@@ -477,7 +488,7 @@ async def test_a_dead_writer_fails_its_callers_and_the_context(tmp_path: Path) -
 
     with pytest.raises(StorageClosed, match="writer thread died") as info:
         with anyio.fail_after(WAIT_S):
-            async with Storage.open(tmp_path / "db") as storage:
+            async with open_storage(tmp_path / "db") as storage:
                 with pytest.raises(StorageClosed):
                     await storage.write(die_txn)
                 with pytest.raises(StorageClosed):
@@ -488,7 +499,7 @@ async def test_a_dead_writer_fails_its_callers_and_the_context(tmp_path: Path) -
 
 async def test_settled_says_whether_every_write_is_on_record(tmp_path: Path) -> None:
     """`Storage.settled`: what lets a reader skip a barrier when nothing is pending."""
-    async with Storage.open(str(tmp_path / "s")) as storage:
+    async with open_storage(str(tmp_path / "s")) as storage:
         assert storage.settled()
 
         def put(txn: Any, key: str) -> None:

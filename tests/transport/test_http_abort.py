@@ -47,7 +47,13 @@ def test_an_aborted_request_is_answered_a_whole_503_and_the_daemon_stops(tmp_pat
                           json={"definitions": [task_def(name, "a")]}).raise_for_status()
                 finished = http.post("/v1/api/runs", json={"workflow": name, "input": 1})
                 assert finished.status_code == 201
-                writing: Future[Any] = portal.start_task_soon(protocol.daemon.storage.write, held)
+                storage = protocol.daemon.storage
+
+                def on_thread() -> None:  # held on the loop, it would hold the loop itself
+                    storage.commit_on_loop = False
+
+                portal.call(on_thread)
+                writing: Future[Any] = portal.start_task_soon(storage.write, held)
                 assert holding.wait(10), "the writer is held"
                 answers: list[httpx.Response] = []
 
