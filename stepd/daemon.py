@@ -112,6 +112,9 @@ class ServeConfig:
         unsafe_no_sync: commit without fsync. Loses acknowledged work on a
             power cut; it exists so the power-loss test has a control that can
             fail (tests/campaign), never for production.
+        commit_on_loop: ``auto`` (a storage batch runs on the event loop while
+            the writer thread idles and commits are quick; docs/storage.md) or
+            ``never`` (every batch on the writer thread).
     """
 
     data: str
@@ -144,6 +147,7 @@ class ServeConfig:
     otlp_endpoint: str | None = None
     retention: str | int | None = None
     idempotency_retention: str | int | None = None
+    commit_on_loop: str = "auto"
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -168,11 +172,23 @@ class ServeConfig:
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
             worker_expiry_ms=self.worker_expiry_ms,
+            commit_on_loop=_commit_on_loop(self.commit_on_loop),
             retention_ms=_duration(self.retention, "retention"),
             idempotency_retention_ms=_duration(self.idempotency_retention, "idempotency_retention"),
         )
         config.check()
         return config
+
+
+def _commit_on_loop(value: str) -> bool:
+    """``auto`` or ``never`` (`ServeConfig.commit_on_loop`).
+
+    Raises:
+        Invalid: anything else, naming the field.
+    """
+    if value not in ("auto", "never"):
+        raise Invalid(f"must be 'auto' or 'never', got {value!r}", field="commit_on_loop")
+    return value == "auto"
 
 
 def _duration(value: str | int | None, field: str) -> int:

@@ -112,6 +112,7 @@ class Embedded:
         otlp_endpoint: str | None = None,
         gc: str = "young",
         uvloop: bool = True,
+        commit_on_loop: bool = True,
     ) -> None:
         if gc not in GC_POLICIES:
             raise Invalid(f"must be one of {', '.join(GC_POLICIES)}", field="gc")
@@ -124,6 +125,7 @@ class Embedded:
                 "recovery_window_ms": recovery_window_ms, "max_request_ms": max_request_ms,
             }.items() if v is not None
         }
+        self._settings["commit_on_loop"] = bool(commit_on_loop)
         self._prices = prices
         self._audit = audit
         self._backend = backend
@@ -329,6 +331,7 @@ def embedded(
     otlp_endpoint: str | None = None,
     gc: str = "young",
     uvloop: bool = True,
+    commit_on_loop: bool = True,
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
@@ -356,6 +359,10 @@ def embedded(
             ``"default"`` (left alone). `stepd.gc_policy` says why.
         uvloop: the sync form's asyncio loop on uvloop when it is installed
             (False: asyncio's own loop).
+        commit_on_loop: let a storage batch commit on the daemon's event loop
+            while the storage writer thread is idle and commits are quick (the
+            default; docs/storage.md "On the loop while the writer is idle");
+            False: every batch on the writer thread.
 
     Returns:
         An `Embedded`, to open with ``with`` or ``async with``.
@@ -368,4 +375,4 @@ def embedded(
     return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
                     recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
                     prices=prices, audit=audit, backend=backend, otlp_endpoint=otlp_endpoint,
-                    gc=gc, uvloop=uvloop)
+                    gc=gc, uvloop=uvloop, commit_on_loop=commit_on_loop)

@@ -47,6 +47,9 @@ class DaemonConfig:
     #: forgotten (0: never). Journals keep its id.
     worker_expiry_ms: int = 600_000
     sync: bool = True  # False only for benchmark comparison and the power-loss control: unsafe
+    #: Let a storage batch run on the event loop while the writer thread idles and
+    #: commits are quick (docs/storage.md "On the loop while the writer is idle").
+    commit_on_loop: bool = True
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
     prices: PriceBook = PriceBook()  # noqa: RUF009 - frozen: one shared default is safe

@@ -173,6 +173,11 @@ def main() -> None:
 @_option("idempotency-retention", default=None, metavar="DURATION",
          help="keep a deleted run's idempotency key this long after it was taken "
               "(default: as --retention)")
+@_option("commit-on-loop", type=click.Choice(["auto", "never"]), default="auto",
+         show_default=True,
+         help="auto: a storage batch runs on the event loop while the writer thread is idle "
+              "and commits are quick (lower latency at light load); never: always on the "
+              "writer thread (docs/storage.md)")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:
