@@ -138,8 +138,15 @@ class RunActor(RunOffers):
             return
         initial, self._initial = self._initial, None
         if initial is not None:
+            # Its creator's machine, handed over: the run was written a moment ago and
+            # nothing can be in its inbox. Only its parent (a child run is never
+            # created here: `child_writes` writes it into its parent's transaction)
+            # and its children (woken only after this start) write there, and each
+            # such write tells `InboxChanged`, which drains it. No read for it.
             self.machine, tr = initial
+            fresh = True
         else:
+            fresh = False
             # Writes an earlier incarnation left behind (deferred offers) must be
             # on record before we read the record: after a crash of this actor,
             # and as much after its supervisor restarted (a /runs or /registry
@@ -176,7 +183,8 @@ class RunActor(RunOffers):
             begun = self.machine.handle(Begin(), self.s.clock.time_ms())
             await self._commit(begun)
             await self._effects(begun)
-        await self._drain_inbox()
+        if not fresh:
+            await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr, offer=True)  # committed by its creator: offer it now
         self._announce()
