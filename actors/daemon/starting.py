@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from stepd.actors import ActorDead
-from stepd.sansio.errors import Unavailable, Unprocessable
+from stepd.sansio.errors import StepdError, Unavailable, Unprocessable
 from stepd.sansio.events import StartChildren
 from stepd.sansio.run import RunMachine
 
@@ -49,20 +49,28 @@ async def start_run(
     """
     if not s.serving:
         raise Unavailable("the daemon is shutting down")
-    known = await known_run(s, idempotency_key, entry)
-    if known is not None:
-        return known, False
-    definition = s.catalog.resolve(workflow, version)
-    if definition is None:
-        what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-        raise Unprocessable(f"{what} is not registered")
-    now = s.clock.time_ms()
-    run_id = ids.run_id(now)
-    machine, tr = RunMachine.start(
-        run_id=run_id, definition=definition, input=input, now_ms=now,
-        correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
-        resolve=s.catalog.resolve, max_depth=s.config.max_child_depth,
-    )
+    # The key is not looked up first: `store.apply_txn` claims it in the start's own
+    # transaction and, when it is taken, writes nothing but the audit entry (200)
+    # and names the run that holds it, as `known_run` would have. A fresh key (every
+    # start but a retry) so costs no read. A start refused here (no such workflow, a
+    # bad deadline) still looks the key up first: a key used before answers its run,
+    # whatever the repeat asks.
+    try:
+        definition = s.catalog.resolve(workflow, version)
+        if definition is None:
+            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+            raise Unprocessable(f"{what} is not registered")
+        now = s.clock.time_ms()
+        machine, tr = RunMachine.start(
+            run_id=ids.run_id(now), definition=definition, input=input, now_ms=now,
+            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
+            resolve=s.catalog.resolve, max_depth=s.config.max_child_depth,
+        )
+    except StepdError:
+        known = await known_run(s, idempotency_key, entry)
+        if known is not None:
+            return known, False
+        raise
     return await create(s, machine, tr, now, idempotency_key, entry)
 
 
@@ -107,6 +115,9 @@ async def create(s: Services, machine: RunMachine, tr: Any, now: int,
     try:
         existing: str | None = await s.storage.write(store.apply_txn, w)
         if existing is not None:
+            # The key was taken: nothing of `w` was written, its children neither
+            # (`child_writes` counted them started when it made them).
+            s.stats.runs_started -= len(w.children)
             return existing, False
         if s.trace is not None:
             s.trace.committed(w)  # a run can end in its first transaction
