@@ -152,7 +152,9 @@ class _RunBase:
         *,
         max_depth: int = DEFAULT_MAX_CHILD_DEPTH,
     ) -> None:
-        if definition.definition_hash != record.definition_hash:
+        # The cached hash read directly (`definition_hash` is a property: a Python call
+        # per machine built, several per run); computed once by the property.
+        if (definition._hash or definition.definition_hash) != record.definition_hash:
             raise ValueError(
                 f"run {record.run_id} pins definition {record.definition_hash}, "
                 f"given {definition.definition_hash}"
