@@ -131,7 +131,9 @@ async def _activate_created(s: Services, run_id: str, w: store.RunWrite, machine
                             tr: Any) -> None:
     """Count a committed run in, start its actor, wake the children it created."""
     s.stats.runs_started += 1
-    for created in walk_writes([w]):
+    children = walk_writes(w.children) if w.children else ()  # most runs start none
+    s.stats.status_moved(None, w.record["status"])
+    for created in children:
         s.stats.status_moved(None, created.record["status"])
     if w.due_new is not None:
         await peers.timers_changed(s, w.due_new)
@@ -145,7 +147,7 @@ async def _activate_created(s: Services, run_id: str, w: store.RunWrite, machine
             # Committed, but a supervisor it needs is restarting: start it from
             # the record instead once that is back.
             await peers.wake_run(s, run_id, None)
-        for child in walk_writes(w.children):
+        for child in children:
             await peers.wake_run(s, child.run_id, None)
     except Unavailable:
         # The run is committed: answering 503 now would tell the client it may
