@@ -129,6 +129,18 @@ def route(path: str) -> Route | None:
             if found is not None:
                 return found[0], found[1], lease
         return None
+    if path.startswith("/v1/api/runs/"):  # second: a client's status and result reads
+        parts = path[13:].split("/")
+        if not parts[0]:
+            return None
+        n = len(parts)
+        if n == 1:
+            return _RUN_ROUTE[0], _RUN_ROUTE[1], parts[0]
+        if n == 2:
+            found = _RUN_SUBROUTES.get(parts[1])
+            if found is not None:
+                return found[0], found[1], parts[0]
+        return None
     if path.startswith("/ui/"):
         return _UI_ROUTE[0], _UI_ROUTE[1], path[4:] or "index.html"
     if path == "/ui":
@@ -148,14 +160,4 @@ def route(path: str) -> Route | None:
             return _SCHEDULE_ROUTE[0], _SCHEDULE_ROUTE[1], parts[0]
         found = _SCHEDULE_SUBROUTES.get(parts[1])
         return None if found is None else (found[0], found[1], parts[0])
-    if path.startswith("/v1/api/runs/"):
-        parts = path[len("/v1/api/runs/"):].split("/")
-        if not parts[0]:
-            return None
-        if len(parts) == 1:
-            return _RUN_ROUTE[0], _RUN_ROUTE[1], parts[0]
-        if len(parts) == 2:
-            found = _RUN_SUBROUTES.get(parts[1])
-            if found is not None:
-                return found[0], found[1], parts[0]
     return None

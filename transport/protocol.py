@@ -352,7 +352,7 @@ class Protocol(Drain):
         assert spec.audit is not None
         return self.daemon.audit.new_entry(
             key_id=principal.key_id if principal is not None else key_id,
-            scope=principal.scope.value if principal is not None else None,
+            scope=principal.scope.text if principal is not None else None,
             action=spec.audit,
             # A refused path id may be 64 KiB: the durable entry keeps it bounded.
             target=bounded(target) if isinstance(target, str) else None,

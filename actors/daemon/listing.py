@@ -74,6 +74,22 @@ def _h8(text: str | bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=8).digest()
 
 
+_WF_HASHES: dict[str, bytes] = {}
+_WF_HASHES_MAX: Final = 4096
+
+
+def _wf_hash(workflow: str) -> bytes:
+    """`_h8` of a workflow name, kept: every run's start and end index it (two writes
+    on the writer thread, four C calls each), under a few names. Bounded (cleared when
+    full)."""
+    found = _WF_HASHES.get(workflow)
+    if found is None:
+        if len(_WF_HASHES) >= _WF_HASHES_MAX:
+            _WF_HASHES.clear()
+        found = _WF_HASHES[workflow] = _h8(workflow)
+    return found
+
+
 def correlation_hash(correlation: Any) -> bytes | None:
     """The index prefix of a correlation value (None: the run has none)."""
     if correlation is None:
@@ -119,7 +135,7 @@ def index_txn(txn: WriteTxn, record: dict[str, Any], created: bool, status_old: 
     if not created and status_old == status:
         return
     suffix = _suffix(record["created_at"], run_id)
-    wf = _h8(record["workflow"])
+    wf = _wf_hash(record["workflow"])
     if created:
         txn.put(store.IDX_RUNS_CREATED, suffix, None)
         txn.put(store.IDX_RUNS_WORKFLOW, wf + suffix, None)
@@ -128,10 +144,12 @@ def index_txn(txn: WriteTxn, record: dict[str, Any], created: bool, status_old: 
             txn.put(store.IDX_RUNS_CORRELATION, corr + suffix, None)
     else:
         assert status_old is not None
-        txn.delete(store.IDX_RUNS_STATUS, _status_key(status_old, suffix))
-        txn.delete(store.IDX_RUNS_WF_STATUS, wf + _status_key(status_old, suffix))
-    txn.put(store.IDX_RUNS_STATUS, _status_key(status, suffix), None)
-    txn.put(store.IDX_RUNS_WF_STATUS, wf + _status_key(status, suffix), None)
+        old_key = _status_key(status_old, suffix)
+        txn.delete(store.IDX_RUNS_STATUS, old_key)
+        txn.delete(store.IDX_RUNS_WF_STATUS, wf + old_key)
+    new_key = _status_key(status, suffix)
+    txn.put(store.IDX_RUNS_STATUS, new_key, None)
+    txn.put(store.IDX_RUNS_WF_STATUS, wf + new_key, None)
 
 
 def unindex_txn(txn: WriteTxn, record: dict[str, Any], status: str) -> None:

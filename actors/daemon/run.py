@@ -132,14 +132,22 @@ class RunActor(RunOffers):
 
     async def on_start(self) -> None:
         e = self.s
-        give_up = await self._count_crash()
+        # A first start (no restart reason: every run's) has no crash to count.
+        give_up = None if self.restart_reason is None else await self._count_crash()
         if give_up is _ABANDON:
             self.stop()  # failing it failed too: no actor until something wakes it again
             return
         initial, self._initial = self._initial, None
         if initial is not None:
+            # Its creator's machine, handed over: the run was written a moment ago and
+            # nothing can be in its inbox. Only its parent (a child run is never
+            # created here: `child_writes` writes it into its parent's transaction)
+            # and its children (woken only after this start) write there, and each
+            # such write tells `InboxChanged`, which drains it. No read for it.
             self.machine, tr = initial
+            fresh = True
         else:
+            fresh = False
             # Writes an earlier incarnation left behind (deferred offers) must be
             # on record before we read the record: after a crash of this actor,
             # and as much after its supervisor restarted (a /runs or /registry
@@ -176,13 +184,21 @@ class RunActor(RunOffers):
             begun = self.machine.handle(Begin(), self.s.clock.time_ms())
             await self._commit(begun)
             await self._effects(begun)
-        await self._drain_inbox()
+        if not fresh:
+            await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr, offer=True)  # committed by its creator: offer it now
-        self._announce()
-        await self._open_sessions(self.machine.runnable())
+        runnable = self.machine.runnable()
+        if runnable:  # `_announce`, with the slots looked up once for both
+            peers.announce(e, tuple(runnable))
+            await self._open_sessions(runnable)
         self._arm()
-        if not self._expect_message:
+        if not self._expect_message and self._passivable():
+            # Passivate after the start, in a turn of its own (`receive`'s check).
+            # A run that is not passivable now (a step offered, a lease live, a
+            # deadline due) becomes so only through a message (the attempt's
+            # calls, its timer's `Due`), whose turn checks again: no IdleCheck
+            # then (a whole turn per run).
             self.ref.tell_nowait(IdleCheck())
 
     async def receive(self, message: Any) -> Any:

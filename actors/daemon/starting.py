@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from stepd.actors import ActorDead
-from stepd.sansio.errors import Unavailable, Unprocessable
+from stepd.sansio.errors import StepdError, Unavailable, Unprocessable
 from stepd.sansio.events import StartChildren
 from stepd.sansio.run import RunMachine
 
@@ -49,20 +49,28 @@ async def start_run(
     """
     if not s.serving:
         raise Unavailable("the daemon is shutting down")
-    known = await known_run(s, idempotency_key, entry)
-    if known is not None:
-        return known, False
-    definition = s.catalog.resolve(workflow, version)
-    if definition is None:
-        what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
-        raise Unprocessable(f"{what} is not registered")
-    now = s.clock.time_ms()
-    run_id = ids.run_id(now)
-    machine, tr = RunMachine.start(
-        run_id=run_id, definition=definition, input=input, now_ms=now,
-        correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
-        resolve=s.catalog.resolve, max_depth=s.config.max_child_depth,
-    )
+    # The key is not looked up first: `store.apply_txn` claims it in the start's own
+    # transaction and, when it is taken, writes nothing but the audit entry (200)
+    # and names the run that holds it, as `known_run` would have. A fresh key (every
+    # start but a retry) so costs no read. A start refused here (no such workflow, a
+    # bad deadline) still looks the key up first: a key used before answers its run,
+    # whatever the repeat asks.
+    try:
+        definition = s.catalog.resolve(workflow, version)
+        if definition is None:
+            what = f"workflow {workflow!r}" + (f" version {version!r}" if version else "")
+            raise Unprocessable(f"{what} is not registered")
+        now = s.clock.time_ms()
+        machine, tr = RunMachine.start(
+            run_id=ids.run_id(now), definition=definition, input=input, now_ms=now,
+            correlation=correlation, idempotency_key=idempotency_key, deadline_ms=deadline_ms,
+            resolve=s.catalog.resolve, max_depth=s.config.max_child_depth,
+        )
+    except StepdError:
+        known = await known_run(s, idempotency_key, entry)
+        if known is not None:
+            return known, False
+        raise
     return await create(s, machine, tr, now, idempotency_key, entry)
 
 
@@ -107,6 +115,9 @@ async def create(s: Services, machine: RunMachine, tr: Any, now: int,
     try:
         existing: str | None = await s.storage.write(store.apply_txn, w)
         if existing is not None:
+            # The key was taken: nothing of `w` was written, its children neither
+            # (`child_writes` counted them started when it made them).
+            s.stats.runs_started -= len(w.children)
             return existing, False
         if s.trace is not None:
             s.trace.committed(w)  # a run can end in its first transaction
@@ -120,7 +131,9 @@ async def _activate_created(s: Services, run_id: str, w: store.RunWrite, machine
                             tr: Any) -> None:
     """Count a committed run in, start its actor, wake the children it created."""
     s.stats.runs_started += 1
-    for created in walk_writes([w]):
+    children = walk_writes(w.children) if w.children else ()  # most runs start none
+    s.stats.status_moved(None, w.record["status"])
+    for created in children:
         s.stats.status_moved(None, created.record["status"])
     if w.due_new is not None:
         await peers.timers_changed(s, w.due_new)
@@ -134,7 +147,7 @@ async def _activate_created(s: Services, run_id: str, w: store.RunWrite, machine
             # Committed, but a supervisor it needs is restarting: start it from
             # the record instead once that is back.
             await peers.wake_run(s, run_id, None)
-        for child in walk_writes(w.children):
+        for child in children:
             await peers.wake_run(s, child.run_id, None)
     except Unavailable:
         # The run is committed: answering 503 now would tell the client it may

@@ -13,6 +13,7 @@ handler per run-level event: signals, ticks, children, cancel, retry) <-
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -90,15 +91,26 @@ def child_run_id(parent_run_id: str, step_id: str, visit: int, index: int) -> st
     return f"{parent_run_id}.{step_id}{suffix}.{index}"
 
 
+_ISO: dict[int, str] = {}
+_ISO_MAX = 4096
+"""The last formatted times: a run's status view formats its ``created_at`` and
+``updated_at`` on every read (a start's answer, each long-poll wake-up of its
+result), three C calls each; a hit is none. Cleared when full (bounded)."""
+
+
 def iso_ms(ms: int) -> str:
     """Epoch milliseconds as ISO 8601 UTC with milliseconds (pure: no clock read)."""
-    import datetime as _dt
-
-    return (
+    if ms in _ISO:
+        return _ISO[ms]
+    text = (
         _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.UTC)
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z")
     )
+    if len(_ISO) >= _ISO_MAX:
+        _ISO.clear()
+    _ISO[ms] = text
+    return text
 
 
 def _jump_of(output: Any) -> str | None:
@@ -140,7 +152,9 @@ class _RunBase:
         *,
         max_depth: int = DEFAULT_MAX_CHILD_DEPTH,
     ) -> None:
-        if definition.definition_hash != record.definition_hash:
+        # The cached hash read directly (`definition_hash` is a property: a Python call
+        # per machine built, several per run); computed once by the property.
+        if (definition._hash or definition.definition_hash) != record.definition_hash:
             raise ValueError(
                 f"run {record.run_id} pins definition {record.definition_hash}, "
                 f"given {definition.definition_hash}"

@@ -16,6 +16,13 @@ from .status import RunStatus, SlotPhase
 
 RECORD_VERSION = 1
 
+# Members by stored value: `from_dict` reads a record back per start and per status
+# read, and `RunStatus(value)` is two Python calls (`EnumType.__call__`,
+# `Enum.__new__`) where a dict subscript is none. An unknown value still goes
+# through the Enum, for its ValueError.
+_RUN_STATUS: dict[str, RunStatus] = {m.text: m for m in RunStatus}
+_SLOT_PHASE: dict[str, SlotPhase] = {m.text: m for m in SlotPhase}
+
 
 def slot_key(step_id: str, item_index: int | None) -> str:
     """Key of a slot's fence counter: fences grow per step (and item), across loops."""
@@ -62,7 +69,7 @@ class Slot:
             input=d["in"],
             cost_units=d["c"],
             attempt=d["a"],
-            phase=SlotPhase(d["p"]),
+            phase=_SLOT_PHASE[d["p"]] if d["p"] in _SLOT_PHASE else SlotPhase(d["p"]),
             fence=d["f"],
             lease_id=d["l"],
             worker_id=d["w"],
@@ -249,7 +256,7 @@ class RunRecord:
             correlation=d["correlation"],
             idempotency_key=d["idempotency_key"],
             parent=d["parent"],
-            status=RunStatus(d["status"]),
+            status=_RUN_STATUS[d["status"]] if d["status"] in _RUN_STATUS else RunStatus(d["status"]),
             state=d["state"],
             steps=d["steps"],
             result=d["result"],

@@ -140,11 +140,12 @@ class RunMachine(_RunEvents):
             raise Invalid(f"must be an integer from 1 to {MAX_DURATION_MS} (milliseconds)",
                           field="deadline_ms")
         deadline = deadline_ms if deadline_ms is not None else definition.deadline_ms
+        definition_hash = definition.definition_hash  # a property: read once
         record = RunRecord(
             run_id=run_id,
             workflow=definition.name,
             version=definition.version,
-            definition_hash=definition.definition_hash,
+            definition_hash=definition_hash,
             input=input,
             created_at=now_ms,
             correlation=correlation,
@@ -163,7 +164,7 @@ class RunMachine(_RunEvents):
             "run_started",
             workflow=definition.name,
             version=definition.version,
-            definition_hash=definition.definition_hash,
+            definition_hash=definition_hash,
             idempotency_key=idempotency_key,
             parent_run_id=None if parent is None else parent["run_id"],
         )
