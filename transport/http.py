@@ -103,6 +103,11 @@ class HttpApp:
         # configured: the check is a function of the two headers alone, so a worker's
         # requests, which repeat the same pair, skip it (bounded: cleared when full).
         self._keyless_seen: set[tuple[bytes | None, bytes | None]] = set()
+        # Without keys every caller is the anonymous principal of the operation's
+        # need, whatever it sends (`KeyRing.authorize`): looked up once per operation.
+        # The protocol keeps its keyring for its life.
+        self._keyless: dict[Operation, Principal] | None = (
+            None if protocol.keyring.enabled else {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A request (a protocol operation inline: every frame of this chain is
@@ -193,7 +198,12 @@ class HttpApp:
             await exchange.respond(reply.status, head, encode_json(reply.body), close=close)
         else:
             await send_reply(send, reply, close=close)
-        self._count(template, reply.status)
+        # `_count`, written out (every request).
+        child = self._counted.get((template, reply.status))
+        if child is None:
+            self._count(template, reply.status)
+        else:
+            child.inc()
 
     def _count(self, template: str, status: int) -> None:
         """``stepd_http_requests_total{route, status}`` += 1 (the series looked up once)."""
@@ -210,7 +220,8 @@ class HttpApp:
         or None when the body must be read as it streams (`_prepare_streamed`)."""
         protocol = self.protocol
         host, origin, authorization, declared = heads(scope)
-        if not protocol.keyring.enabled:
+        keyless = self._keyless
+        if keyless is not None:
             seen = self._keyless_seen
             if (host, origin) not in seen:
                 try:
@@ -221,11 +232,15 @@ class HttpApp:
                 if len(seen) >= _KEYLESS_SEEN_MAX:
                     seen.clear()
                 seen.add((host, origin))
-        try:
-            principal = protocol.authorize(
-                op, None if authorization is None else authorization.decode("latin-1"))
-        except (Unauthorized, Forbidden) as exc:
-            return exc
+            principal = keyless.get(op)
+            if principal is None:
+                principal = keyless[op] = protocol.authorize(op, None)
+        else:
+            try:
+                principal = protocol.authorize(
+                    op, None if authorization is None else authorization.decode("latin-1"))
+            except (Unauthorized, Forbidden) as exc:
+                return exc
         if SPECS[op].body == "none":
             return principal, NO_BODY, None
         if exchange is None:
