@@ -40,6 +40,7 @@ class Drain:
         # bookkeeping.
         self._idle: anyio.Event | None = None
         self._polls: set[anyio.CancelScope] = set()
+        self._task_polls: set[_TaskTracking] = set()  # long-polls `begin_drain` ends by task
         self._calls: set[anyio.CancelScope] = set()
         self._tasks: set[_TaskTracking] = set()  # calls `abort` cancels through their task
         self._aborted = False
@@ -56,22 +57,35 @@ class Drain:
         """
         return _Tracking(self)
 
-    def task_tracking(self) -> _TaskTracking | _Tracking:
+    def task_tracking(self, task: asyncio.Task[Any] | None = None, *,
+                      poll: bool = False) -> _TaskTracking | _Tracking:
         """`tracking` without a cancel scope, for a call that has its asyncio task to
-        itself (an HTTP request under stepd's uvicorn protocol, not a long-poll):
-        `abort` cancels the task, and leaving the ``with`` block swallows that
-        cancellation, as a cancelled scope would. ``with`` it at once, in the task.
+        itself (an HTTP request under stepd's uvicorn protocol): `abort` cancels the
+        task, and leaving the ``with`` block swallows that cancellation, as a
+        cancelled scope would. ``with`` it at once, in the task.
 
-        An anyio cancel scope cost ~20 calls a request (~85 a step over HTTP).
-        A cancel is delivered where the task resumes, and `abort` reaches only
-        tasks inside the block (it is left with no wait in between), so a late
-        cancel never lands after the block: the answer, sent after it, is never
-        cut in half. Once aborted, `tracking` (a scope cancelled before it is
-        entered) is returned instead.
+        Args:
+            task: the call's task (the current one when omitted; stepd's uvicorn
+                protocol knows it, `HttpExchange.task`, and spares the lookup).
+            poll: the call is a long-poll: `begin_drain` ends it too, through the
+                task, instead of the cancel scope `Protocol.call` would enter
+                (`Protocol.call`'s ``held``); ``drained`` then says so, and the
+                caller answers 503 itself.
+
+        An anyio cancel scope cost ~20 calls a request (~85 a step over HTTP), and
+        a long-poll had three (this one's, `long_poll`'s and its wait's). A
+        cancel is delivered where the task resumes, and `abort` (or the drain)
+        reaches only tasks inside the block (it is left with no wait in
+        between), so a late cancel never lands after the block: the answer,
+        sent after it, is never cut in half. Once aborted, `tracking` (a scope
+        cancelled before it is entered) is returned instead.
         """
         if self._aborted:
             return _Tracking(self)
-        return _TaskTracking(self)
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None
+        return _TaskTracking(self, task, poll)
 
     def call_begins(self) -> None:
         """`tracking` without a cancel scope or a context manager: counted, not cancelled
@@ -135,6 +149,8 @@ class Drain:
         self.daemon.begin_drain()
         for scope in list(self._polls):
             scope.cancel()
+        for tracked in list(self._task_polls):
+            tracked.drain()
         for conn in list(self._connections):
             conn.close_for_shutdown()
 
@@ -181,6 +197,10 @@ class _Tracking:
 
     __slots__ = ("protocol", "scope")
 
+    # As `_TaskTracking`'s: never a long-poll the drain ends through its task.
+    poll = False
+    drained = False
+
     def __init__(self, protocol: Drain) -> None:
         self.protocol = protocol
         self.scope = anyio.CancelScope()
@@ -212,22 +232,25 @@ class _Tracking:
 
 class _TaskTracking:
     """`Protocol.task_tracking`'s context manager: the call counted, cancelled by
-    `abort` through its asyncio task. ``cancelled_caught``: as a scope's."""
+    `abort` through its asyncio task (and, for a long-poll, by the drain).
+    ``cancelled_caught``: as a scope's; ``drained``: the drain's cancel it was."""
 
-    __slots__ = ("cancelled_caught", "protocol", "requested", "task")
+    __slots__ = ("cancelled_caught", "drained", "poll", "protocol", "requested", "task")
 
-    def __init__(self, protocol: Drain) -> None:
+    def __init__(self, protocol: Drain, task: asyncio.Task[Any], poll: bool) -> None:
         self.protocol = protocol
-        task = asyncio.current_task()
-        assert task is not None
         self.task = task
+        self.poll = poll
         self.requested = False
         self.cancelled_caught = False
+        self.drained = False
 
     def __enter__(self) -> Self:
         protocol = self.protocol
         protocol._inflight += 1
         protocol._tasks.add(self)
+        if self.poll:
+            protocol._task_polls.add(self)
         return self
 
     def cancel(self) -> None:
@@ -236,10 +259,18 @@ class _TaskTracking:
             self.requested = True
             self.task.cancel()
 
+    def drain(self) -> None:
+        """The daemon drains: a long-poll ends at once (answered 503 by the caller)."""
+        if not self.requested:
+            self.drained = True
+            self.cancel()
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
         protocol = self.protocol
         protocol._tasks.discard(self)
+        if self.poll:
+            protocol._task_polls.discard(self)
         protocol._call_done()
         if not self.requested:
             return False

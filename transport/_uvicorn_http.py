@@ -12,9 +12,11 @@ holds and answers in one write. The WebSocket side is `_uvicorn_ws`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any, Protocol, cast
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -50,14 +52,17 @@ class HttpExchange:
 
     Attributes:
         cycle: uvicorn's request-response cycle of this request.
+        task: the asyncio task that runs the app for it (the app cancels the call
+            through it, `Drain.task_tracking`, without looking it up).
         gone: the client disconnected (or the request's deadline passed).
         watch: cancelled by `client_gone` (the app sets it around a long-poll).
     """
 
-    __slots__ = ("cycle", "gone", "watch")
+    __slots__ = ("cycle", "gone", "task", "watch")
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
+    def __init__(self, cycle: RequestResponseCycle, task: asyncio.Task[None]) -> None:
         self.cycle = cycle
+        self.task = task
         self.gone = False
         self.watch: _Cancellable | None = None
 
@@ -187,6 +192,8 @@ class HttpProtocol(HttpToolsProtocol):
         # The request the app is answering. Not uvicorn's `cycle`, which is the
         # last one parsed: with pipelined requests, one queued behind it.
         self._running: RequestResponseCycle | None = None
+        # uvicorn's opt-in (newer uvicorns): each request's task in a fresh context.
+        self._fresh_context = bool(getattr(self.config, "reset_contextvars", False))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -201,8 +208,16 @@ class HttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # uvicorn's, written out, and the request's `HttpExchange` made with its task.
         self._running = cycle
-        super()._start_asgi_task(cycle, app)
+        if self._fresh_context:
+            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        else:
+            task = self.loop.create_task(cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+        scope["extensions"] = {EXCHANGE_EXTENSION: HttpExchange(cycle, task)}
 
     def _drop_running(self) -> None:
         """The app's answer to the request it runs can no longer be sent."""
@@ -219,7 +234,10 @@ class HttpProtocol(HttpToolsProtocol):
         # uvicorn's, with the refusals of a head over the limits.
         if self._refused:
             return  # lingering after a refusal: what the client still sends is dropped
-        self._unset_keepalive_if_required()
+        idle = self.timeout_keep_alive_task  # uvicorn's `_unset_keepalive_if_required`
+        if idle is not None:
+            idle.cancel()
+            self.timeout_keep_alive_task = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -282,21 +300,64 @@ class HttpProtocol(HttpToolsProtocol):
                 for name, value in self.headers:
                     if name == b"expect" and value.lower() == b"100-continue":
                         self.expect_100_continue = True
+        super().on_headers_complete()  # a request's `HttpExchange`: `_start_asgi_task`
+
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's, with the cycle's event set only when something waits on it (an
+        # ASGI `receive`): else marked set, which is all `set` does then.
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return  # an upgrade's head: no cycle (a WebSocket's first request has none)
         cycle = self.cycle
-        super().on_headers_complete()
-        if self.cycle is not cycle:  # a request (not an upgrade): its task runs after this
-            extensions: dict[str, Any] = {EXCHANGE_EXTENSION: HttpExchange(self.cycle)}
-            cast(dict[str, Any], self.scope)["extensions"] = extensions
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        event = cycle.message_event
+        if event._waiters:
+            event.set()
+        else:
+            event._value = True  # type: ignore[attr-defined]
+
+    def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return  # an upgrade's head: no cycle (a WebSocket's first request has none)
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        cycle.more_body = False
+        event = cycle.message_event
+        if event._waiters:
+            event.set()
+        else:
+            event._value = True  # type: ignore[attr-defined]
 
     def on_response_complete(self) -> None:
         self._pending -= 1
-        if self._pending or self.transport.get_write_buffer_size():
+        transport = self.transport
+        if self._pending or transport.get_write_buffer_size():
             # The next request has begun, or this answer is not read yet: both
             # must be done with in time.
             self.deadline = self.loop.time() + self.max_request_s
         else:
             self.deadline = None  # idle: uvicorn's keep-alive timeout closes it
-        super().on_response_complete()
+        # uvicorn's, written out (it ran three more Python calls an answer).
+        self.server_state.total_requests += 1
+        if transport.is_closing():
+            return
+        idle = self.timeout_keep_alive_task
+        if idle is not None:
+            idle.cancel()
+            self.timeout_keep_alive_task = None
+        flow = self.flow
+        if flow.read_paused:
+            flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def handle_websocket_upgrade(self) -> None:
         self.deadline = None  # the connection is the worker's WebSocket from now on

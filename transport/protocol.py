@@ -208,6 +208,7 @@ class Protocol(Drain):
         body: Any = NO_BODY,
         error: StepdError | None = None,
         worker_id: str | None = None,
+        held: bool = False,
     ) -> Reply:
         """Run one operation for an authorized caller; record its audit entry.
 
@@ -223,6 +224,10 @@ class Protocol(Drain):
                 the lease operations: a lease held by another worker is then
                 unknown to it (404). None where the transport cannot know
                 (plain HTTP); "" for a connection not registered yet.
+            held: a long-poll (`LONG_POLLS`) the caller ends itself when the daemon
+                drains (`Drain.task_tracking` with ``poll``: HTTP under stepd's
+                uvicorn protocol), and answers 503 then: no cancel scope of
+                `long_poll` is entered around it.
 
         Returns:
             The success `Reply` (status 200 or 201).
@@ -254,7 +259,7 @@ class Protocol(Drain):
             if spec.in_txn and self.audited:
                 entry = self._entry(spec, principal, None, 200, None)
             request = Request(target or "", query or {}, body, worker_id, entry)
-            if op in LONG_POLLS:
+            if op in LONG_POLLS and not held:
                 with self.long_poll() as scope:
                     reply = await spec.run(self, request)
                 if scope.cancelled_caught:
@@ -281,6 +286,7 @@ class Protocol(Drain):
         body: Any = NO_BODY,
         error: StepdError | None = None,
         worker_id: str | None = None,
+        held: bool = False,
     ) -> Reply:
         """`call`, with every error mapped to its status and body (`error_reply`).
 
@@ -289,7 +295,7 @@ class Protocol(Drain):
         """
         try:
             return await self.call(op, principal, target=target, query=query, body=body,
-                                   error=error, worker_id=worker_id)
+                                   error=error, worker_id=worker_id, held=held)
         except (StepdError, StorageClosed) as exc:
             return error_reply(exc)
         except Exception as exc:

@@ -14,6 +14,7 @@ is raised as `Unavailable` (its cause is the transport's error).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import json.encoder
 import random
@@ -57,6 +58,10 @@ _C_ENCODE = None if _c_make_encoder is None else _c_make_encoder(
 body is a fresh tree of JSON values)."""
 
 _DECODER = json.JSONDecoder()
+_running_loop = asyncio._get_running_loop  # None outside asyncio (trio), without raising
+_current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
+# `asyncio.current_task()` is a Python function on 3.11; its dict answers in one C call.
+_task_of = _current_tasks.get if isinstance(_current_tasks, dict) else asyncio.current_task
 _SAFE_ID = frozenset(string.ascii_letters + string.digits + "_-.~")
 
 
@@ -254,6 +259,7 @@ class HttpChannel(Channel):
         self.http = http
         self.timeout = timeout
         self._claim_scope: anyio.CancelScope | None = None
+        self._claim_task: _ClaimTask | None = None  # the claim in flight, on asyncio
         self._stopped = False
         self._ended = False
         self._wake: Waiter | None = None
@@ -320,20 +326,57 @@ class HttpChannel(Channel):
                 await self._wait()
                 continue
             leases: list[dict[str, Any]] = []
-            with anyio.CancelScope() as scope:
-                self._claim_scope = scope
-                if host.stopping or self._stopped:
-                    scope.cancel()
-                try:
-                    answer = await self.send(_wire.claim(host.worker_id, free, wait_ms))
-                    leases = answer.get("leases") or []
-                except Unavailable:
-                    raise Lost("the daemon answered 503 to a claim") from None
-            self._claim_scope = None
+            loop = _running_loop()
+            if loop is not None:
+                leases = await self._claim_on_asyncio(loop, host, free, wait_ms)
+            else:
+                with anyio.CancelScope() as scope:
+                    self._claim_scope = scope
+                    if host.stopping or self._stopped:
+                        scope.cancel()
+                    try:
+                        answer = await self.send(_wire.claim(host.worker_id, free, wait_ms))
+                        leases = answer.get("leases") or []
+                    except Unavailable:
+                        raise Lost("the daemon answered 503 to a claim") from None
+                self._claim_scope = None
             for lease in leases:
                 host.accept(lease)
         while not self._ended:
             await self._wait()
+
+    async def _claim_on_asyncio(self, loop: asyncio.AbstractEventLoop, host: Host,
+                                free: int, wait_ms: int) -> list[dict[str, Any]]:
+        """One claim, cut short by `stop_taking`/`end` through the pump's task rather
+        than a cancel scope (~30 calls a claim: a first step over HTTP reaches its
+        worker through one). The cancel is ours alone to swallow: withdrawn with
+        ``uncancel``, and swallowed only when no other cancel of the task (its task
+        group's) is pending, as `asyncio.timeout` does."""
+        task = _task_of(loop)
+        assert task is not None
+        claim = self._claim_task = _ClaimTask(task)
+        try:
+            if host.stopping or self._stopped:
+                return []
+            assert host.worker_id is not None
+            try:
+                answer = await self.send(_wire.claim(host.worker_id, free, wait_ms))
+            except Unavailable:
+                raise Lost("the daemon answered 503 to a claim") from None
+            except asyncio.CancelledError:
+                if claim.requested:
+                    claim.requested = False  # withdrawn here: `finally` has nothing to do
+                    if task.uncancel() == 0:
+                        return []
+                raise
+            leases: list[dict[str, Any]] = answer.get("leases") or []
+            return leases
+        finally:
+            self._claim_task = None
+            if claim.requested:
+                # Asked after the answer was in (the cancel was not delivered, or it
+                # was and something else is pending): withdraw ours.
+                task.uncancel()
 
     async def _wait(self) -> None:
         wake = self._wake = Waiter()
@@ -352,12 +395,28 @@ class HttpChannel(Channel):
         # (An answer already on its way is lost with the request: the daemon
         # recovers those attempts when their leases expire; docs/sdk.md.)
         self._stopped = True
-        if self._claim_scope is not None:
-            self._claim_scope.cancel()
+        self._cancel_claim()
         self._poke()
 
     def end(self) -> None:
         self._ended = True
+        self._cancel_claim()
+        self._poke()
+
+    def _cancel_claim(self) -> None:
         if self._claim_scope is not None:
             self._claim_scope.cancel()
-        self._poke()
+        claim = self._claim_task
+        if claim is not None and not claim.requested:
+            claim.requested = True
+            claim.task.cancel()
+
+
+class _ClaimTask:
+    """The pump's task while it claims on asyncio, and whether a cancel was asked of it."""
+
+    __slots__ = ("requested", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.requested = False

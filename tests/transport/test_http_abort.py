@@ -141,3 +141,60 @@ def test_a_cancel_of_the_request_from_elsewhere_is_not_swallowed() -> None:
         return False
 
     assert asyncio.run(go()) is True
+
+
+def test_the_drain_ends_held_long_polls_through_their_tasks_with_503(tmp_path: Path) -> None:
+    """A claim and a result long-poll held over HTTP end at once when the drain begins:
+    503 ``unavailable``, the connection kept (it is the drain's answer, not an abort's),
+    and nothing left counted in flight. Under stepd's uvicorn protocol they are ended
+    through their tasks (`Drain.task_tracking` with ``poll``), not a cancel scope."""
+    from stepd.daemon import ServeConfig, Server
+
+    daemon = Server(ServeConfig(data=str(tmp_path / "data"), port=0, max_request_ms=20_000),
+                    announce=lambda line: None)
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        future, _ = portal.start_task(daemon.run)
+        assert daemon.url is not None and daemon.protocol is not None
+        protocol = daemon.protocol
+        with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as http:
+            name = unique()
+            wid = http.post("/v1/api/workers/register", json={
+                "definitions": [task_def(name, "a")]}).json()["worker_id"]
+            # A run of another workflow: nobody claims it, its result waits.
+            other = unique()
+            http.post("/v1/api/workers/register",
+                      json={"definitions": [task_def(other, "b")]}).raise_for_status()
+            run_id = http.post("/v1/api/runs", json={"workflow": other, "input": 1}).json()["run_id"]
+            answers: dict[str, httpx.Response] = {}
+
+            def claim() -> None:
+                with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as c:
+                    answers["claim"] = c.post("/v1/api/steps/claim",
+                                              json={"worker_id": wid, "wait_ms": 15_000})
+
+            def result() -> None:
+                with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as c:
+                    answers["result"] = c.get(f"/v1/api/runs/{run_id}/result",
+                                              params={"wait_ms": 15_000})
+
+            threads = [threading.Thread(target=claim), threading.Thread(target=result)]
+            for t in threads:
+                t.start()
+            for _ in range(500):  # bounded: both long-polls are held
+                if portal.call(lambda: protocol.inflight) == 2:
+                    break
+                threading.Event().wait(0.01)
+            assert portal.call(lambda: protocol.inflight) == 2
+            assert portal.call(lambda: len(protocol._task_polls)) == 2
+            portal.call(protocol.begin_drain)
+            for t in threads:
+                t.join(10)
+            assert sorted(answers) == ["claim", "result"]
+            for answer in answers.values():
+                assert answer.status_code == 503
+                assert answer.json()["error"] == "unavailable"
+                assert answer.headers.get("connection") != "close"
+            assert portal.call(lambda: protocol.inflight) == 0
+            assert portal.call(lambda: len(protocol._task_polls)) == 0
+        portal.call(daemon.request_stop)
+        assert future.result(timeout=15) == 0
