@@ -3,6 +3,7 @@ cancel, retry (see `api`)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ from .messages import (
 
 __all__ = ["RunOps"]
 
+_running_loop = asyncio._get_running_loop  # None outside asyncio (trio), without raising
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
 
@@ -228,8 +230,20 @@ class RunOps(ApiBase):
         try:
             raw = self._record(run_id)
             if raw["status"] not in _TERMINAL:
-                with anyio.move_on_after(min(wait_ms, self.config.max_request_ms) / 1000):
-                    await waiter.wait()
+                wait_s = min(wait_ms, self.config.max_request_ms) / 1000
+                # On asyncio a loop timer that wakes the waiter, not a cancel scope
+                # (`move_on_after`: ~16 calls a result, as the claim's wait, where
+                # `WorkerOps.claim` says why); trio keeps the scope.
+                loop = _running_loop()
+                if loop is not None:
+                    timer = loop.call_later(wait_s, waiter.set)
+                    try:
+                        await waiter.wait()
+                    finally:
+                        timer.cancel()
+                else:
+                    with anyio.move_on_after(wait_s):
+                        await waiter.wait()
                 raw = self._record(run_id)
         finally:
             watch.forget(run_id, waiter)

@@ -35,6 +35,7 @@ from stepd.sansio.events import (
     ChildFinished,
     InternalFailure,
     Retry,
+    Runnable,
     SignalReceived,
     Tick,
     Transition,
@@ -174,21 +175,33 @@ class RunActor(RunOffers):
         self.indexed_active = not self.machine.idle()
         # The status as counted in stats.status_counts (creation counted it already).
         self._status = self.machine.record.status.text
+        done: list[Transition] = [tr]  # whose effects this start performed
         if isinstance(give_up, str) and not self.machine.record.status.terminal:
             failed = self.machine.handle(InternalFailure(give_up), self.s.clock.time_ms())
             await self._commit(failed)
             await self._effects(failed)
+            done.append(failed)
         if not self.machine.record.begun and not self.machine.record.status.terminal:
             # A child its parent created: enter its first step now, in its own
             # transaction (`Begin`; the parent's held only the record).
             begun = self.machine.handle(Begin(), self.s.clock.time_ms())
             await self._commit(begun)
             await self._effects(begun)
+            done.append(begun)
         if not fresh:
             await self._drain_inbox()
         await self._ensure_leases()
         await self._effects(tr, offer=True)  # committed by its creator: offer it now
         runnable = self.machine.runnable()
+        if runnable:
+            # Slots those effects offered or announced already are not announced
+            # again: the registry would hand each a second time (to an HTTP claim
+            # waiting, say), and the run refuse the second offer (~110 calls a run
+            # over HTTP). A restarted run performed none: it announces them all.
+            covered = {spec for t in done for effect in t.effects
+                       if type(effect) is Runnable for spec in effect.attempts}
+            if covered:
+                runnable = [spec for spec in runnable if spec not in covered]
         if runnable:  # `_announce`, with the slots looked up once for both
             peers.announce(e, tuple(runnable))
             await self._open_sessions(runnable)
