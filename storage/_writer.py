@@ -290,22 +290,25 @@ class Writer:
         queues meanwhile wakes it as usual, and its transaction waits for this
         one's commit on LMDB's own writer lock, so it commits after it.
         """
-        if not self.inline_enabled or len(requests) > INLINE_MAX_BATCH:
+        n = len(requests)
+        if not self.inline_enabled or n > INLINE_MAX_BATCH:
             return False
-        if self._commit_avg > INLINE_MAX_COMMIT_S or _monotonic() < self._slow_until:
+        if self._commit_avg > INLINE_MAX_COMMIT_S or (
+                self._slow_until and _monotonic() < self._slow_until):
             return False
         deferred = 0
         for r in requests:
             deferred += r.deferred
-        if deferred == len(requests):  # only deferred writes: they wait for company anyway
+        if deferred == n:  # only deferred writes: they wait for company anyway
             return False
         with self._mutex:
             queue = self._queue
             if (not self._sleeping or self._awaited_queued or self._dead is not None
-                    or self._stopping or self._fail_next_commit is not None
-                    or len(queue) + len(requests) > INLINE_MAX_BATCH):
+                    or self._stopping or self._fail_next_commit is not None):
                 return False
             if queue:  # deferred writes the sleeping thread keeps for company: theirs first
+                if len(queue) + n > INLINE_MAX_BATCH:
+                    return False
                 deferred += len(queue)
                 requests = [*queue, *requests]
                 queue.clear()
@@ -403,10 +406,12 @@ class Writer:
                  deferred: int) -> None:
         """Run one batch (`deferred` of it deferred) to its end, commit or failure;
         `done` delivers its outcomes."""
+        n = len(batch)
         self._batches += 1
-        self._max_batch_size = max(self._max_batch_size, len(batch))
-        self._batch_sizes[(len(batch) - 1).bit_length()] += 1
-        self._requests += len(batch)
+        if n > self._max_batch_size:  # noqa: PLR1730 - `max` is a call a batch
+            self._max_batch_size = n
+        self._batch_sizes[(n - 1).bit_length()] += 1
+        self._requests += n
         self._deferred_requests += deferred
         with self._mutex:
             injected, self._fail_next_commit = self._fail_next_commit, None

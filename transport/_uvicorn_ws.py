@@ -173,7 +173,9 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         and False (the slow path, always correct) whenever that cannot be told.
         """
         conn = self.conn
-        if (conn.state is not State.OPEN or conn.parser_exc is not None
+        # `conn._state`: what websockets' `state` property returns, read without its
+        # call (three a step); this module already works on the parser's internals.
+        if (conn._state is not State.OPEN or conn.parser_exc is not None
                 or conn.current_size is not None or conn.reader.buffer or self.close_sent):
             return False
         inner = conn.parser  # ServerProtocol.parse -> Protocol.parse -> the reader's wait
@@ -203,7 +205,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         received = self._received
         handoff = False  # what is left goes to websockets
         while n - pos >= 2:
-            if conn.state is not State.OPEN or self.close_sent:
+            if conn._state is not State.OPEN or self.close_sent:
                 handoff = True  # closing: websockets reads the rest
                 break
             b0 = buf[pos]
@@ -305,7 +307,7 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         if self.disconnected or self.close_sent:
             raise ClientDisconnected()
         conn = self.conn
-        if conn.state is not State.OPEN or conn.expect_continuation_frame or conn.extensions:
+        if conn._state is not State.OPEN or conn.expect_continuation_frame or conn.extensions:
             raise ClientDisconnected()  # closing (no extension is ever negotiated here)
         # Server frames are not masked: a head and the payload. Written here rather
         # than by websockets' `send_binary` (a Frame, its checks and serialisation:
