@@ -21,8 +21,8 @@ How a batch runs:
 On the event loop, when the thread is idle: a batch that someone awaits,
 submitted while the writer thread sleeps (nothing queued, or only deferred
 writes, which join it first), runs on the event loop's own thread instead
-(`Writer.run_inline`), in the same transaction-per-batch way. Handing a batch to the thread and its outcome back
-costs two OS wake-ups (~0.1-0.2 ms each on a loaded 2-vCPU machine) on a
+(`Writer.run_inline`), in the same transaction-per-batch way. Handing a batch
+to the thread and its outcome back costs two OS wake-ups (~0.1-0.2 ms each on a loaded 2-vCPU machine) on a
 commit that itself takes ~0.3-0.5 ms; at light load that hop was a sixth of a
 sequential step. The loop then waits for the commit's fsync (the GIL is
 released meanwhile), so this happens only while commits are quick: not while
