@@ -288,46 +288,43 @@ class Http1Client:
         expiry = None if timeout == math.inf else loop.time() + timeout
         try:
             # A kept-alive connection without awaiting a checkout (the common case),
-            # and its exchange in this frame: `_aio_exchange` written out (a worker's
-            # every claim and lease call comes this way; a frame costs a call and a
-            # resume).
+            # and the exchange in this frame (a worker's every claim and lease call
+            # comes this way; a frame costs a call and a resume). A kept-alive
+            # connection the server closed before reading gets the request once
+            # more, on a fresh one.
             idle = self._aio_idle_conn(loop) if self._aio_idle else None
-            if idle is not None:
-                conn, reused = idle, True
-            else:
-                conn, reused = await self._aio_checkout(loop, expiry, fresh=True)
-            future = loop.create_future()
-            conn.start(future)
-            ok = False
-            timer = None if expiry is None else loop.call_at(expiry, _expire, future)
-            try:
-                transport = conn.transport
-                if transport is None:
-                    raise _NothingBack()
-                transport.write(data)
-                await future
-                parse = conn.parse
-                response = Http1Response(parse.status, b"".join(parse.body), parse.keep_alive)
-                ok = response.keep_alive
-                return response
-            except _NothingBack:
-                if not reused:
-                    raise Http1Error("the connection closed before an answer") from None
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                conn.future = None
-                if ok and not self._closed and not conn.closed:
-                    conn.idle_since = loop.time()
-                    self._aio_idle.append(conn)
+            while True:
+                if idle is not None:
+                    conn, reused, idle = idle, True, None
                 else:
-                    conn.close()
-            # The server closed the idle connection before reading: send anew.
-            conn, _ = await self._aio_checkout(loop, expiry, fresh=True)
-            try:
-                return await self._aio_exchange(loop, conn, data, expiry)
-            except _NothingBack:
-                raise Http1Error("the connection closed before an answer") from None
+                    conn, reused = await self._aio_checkout(loop, expiry, fresh=True)
+                future = loop.create_future()
+                conn.start(future)
+                ok = False
+                timer = None if expiry is None else loop.call_at(expiry, _expire, future)
+                try:
+                    transport = conn.transport
+                    if transport is None:
+                        raise _NothingBack()
+                    transport.write(data)
+                    await future
+                    parse = conn.parse
+                    response = Http1Response(parse.status, b"".join(parse.body),
+                                             parse.keep_alive)
+                    ok = response.keep_alive
+                    return response
+                except _NothingBack:
+                    if not reused:
+                        raise Http1Error("the connection closed before an answer") from None
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                    conn.future = None
+                    if ok and not self._closed and not conn.closed:
+                        conn.idle_since = loop.time()
+                        self._aio_idle.append(conn)
+                    else:
+                        conn.close()
         except TimeoutError:
             raise Http1Error(f"no answer to {method} {path} within {timeout} s") from None
         finally:
@@ -365,33 +362,6 @@ class Http1Client:
         except OSError as exc:
             raise Http1Error(f"cannot connect to {self.host}:{self.port}: {exc}") from None
         return conn, False
-
-    async def _aio_exchange(self, loop: asyncio.AbstractEventLoop, conn: _AioConn, data: bytes,
-                            expiry: float | None) -> Http1Response:
-        """Write the request, wait for the answer; the connection goes back idle or is closed."""
-        future = loop.create_future()
-        conn.start(future)
-        ok = False
-        timer = None if expiry is None else loop.call_at(expiry, _expire, future)
-        try:
-            transport = conn.transport
-            if transport is None:
-                raise _NothingBack()
-            transport.write(data)
-            await future
-            parse = conn.parse
-            response = Http1Response(parse.status, b"".join(parse.body), parse.keep_alive)
-            ok = response.keep_alive
-            return response
-        finally:
-            if timer is not None:
-                timer.cancel()
-            conn.future = None
-            if ok and not self._closed and not conn.closed:
-                conn.idle_since = loop.time()
-                self._aio_idle.append(conn)
-            else:
-                conn.close()
 
     async def _checkout(self, *, fresh: bool = False) -> tuple[_Conn, bool]:
         if not fresh:
