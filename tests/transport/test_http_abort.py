@@ -11,6 +11,7 @@ period runs out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,7 +23,7 @@ import httpx
 
 from stepd.transport._drain import Drain
 
-from .conftest import task_def, unique
+from .conftest import serve_in_process, task_def, unique
 
 
 def test_an_aborted_request_is_answered_a_whole_503_and_the_daemon_stops(tmp_path: Path) -> None:
@@ -148,15 +149,12 @@ def test_the_drain_ends_held_long_polls_through_their_tasks_with_503(tmp_path: P
     503 ``unavailable``, the connection kept (it is the drain's answer, not an abort's),
     and nothing left counted in flight. Under stepd's uvicorn protocol they are ended
     through their tasks (`Drain.task_tracking` with ``poll``), not a cancel scope."""
-    from stepd.daemon import ServeConfig, Server
-
-    daemon = Server(ServeConfig(data=str(tmp_path / "data"), port=0, max_request_ms=20_000),
-                    announce=lambda line: None)
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        future, _ = portal.start_task(daemon.run)
-        assert daemon.url is not None and daemon.protocol is not None
-        protocol = daemon.protocol
-        with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as http:
+    with contextlib.contextmanager(serve_in_process)(tmp_path / "data",
+                                                     max_request_ms=20_000) as served:
+        portal, url = served.portal, served.url
+        protocol = served.daemon.protocol
+        assert protocol is not None
+        with httpx.Client(base_url=url, trust_env=False, timeout=15) as http:
             name = unique()
             wid = http.post("/v1/api/workers/register", json={
                 "definitions": [task_def(name, "a")]}).json()["worker_id"]
@@ -168,12 +166,12 @@ def test_the_drain_ends_held_long_polls_through_their_tasks_with_503(tmp_path: P
             answers: dict[str, httpx.Response] = {}
 
             def claim() -> None:
-                with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as c:
+                with httpx.Client(base_url=url, trust_env=False, timeout=15) as c:
                     answers["claim"] = c.post("/v1/api/steps/claim",
                                               json={"worker_id": wid, "wait_ms": 15_000})
 
             def result() -> None:
-                with httpx.Client(base_url=daemon.url, trust_env=False, timeout=15) as c:
+                with httpx.Client(base_url=url, trust_env=False, timeout=15) as c:
                     answers["result"] = c.get(f"/v1/api/runs/{run_id}/result",
                                               params={"wait_ms": 15_000})
 
@@ -196,5 +194,3 @@ def test_the_drain_ends_held_long_polls_through_their_tasks_with_503(tmp_path: P
                 assert answer.headers.get("connection") != "close"
             assert portal.call(lambda: protocol.inflight) == 0
             assert portal.call(lambda: len(protocol._task_polls)) == 0
-        portal.call(daemon.request_stop)
-        assert future.result(timeout=15) == 0
