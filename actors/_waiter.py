@@ -116,6 +116,31 @@ class Waiter:
         fut = self._fut = loop.create_future()  # set() clears it; a cancelled one stays done
         return fut
 
+    async def wait_at_most(self, seconds: float) -> None:
+        """`wait`, given up after ``seconds`` (no error: the caller looks at what it
+        waited for; a timeout leaves the waiter set).
+
+        On asyncio a loop timer sets the waiter, not a cancel scope: a scope
+        (`move_on_after`) costs ~16-35 calls (its backend lookup, anyio's task
+        state, its exit's restart of the parent's cancellation) on a claim or a
+        result long-poll. Trio keeps the scope.
+        """
+        if self._is_set:
+            return
+        loop = _running_loop()
+        if loop is None:
+            import anyio
+
+            with anyio.move_on_after(seconds):
+                await self._wait_trio()
+            self.set()  # as the asyncio timer leaves it (a no-op when woken by `set`)
+            return
+        timer = loop.call_later(seconds, self.set)
+        try:
+            await self.wait()
+        finally:
+            timer.cancel()
+
     async def _wait_trio(self) -> None:
         self._task = _trio_lowlevel.current_task()
 

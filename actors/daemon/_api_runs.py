@@ -3,10 +3,7 @@ cancel, retry (see `api`)."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
-
-import anyio
 
 from stepd.sansio.errors import Invalid, NotFound, Unavailable
 from stepd.sansio.record import RunRecord
@@ -23,7 +20,6 @@ from .messages import (
 
 __all__ = ["RunOps"]
 
-_running_loop = asyncio._get_running_loop  # None outside asyncio (trio), without raising
 _TERMINAL = frozenset({"completed", "failed", "cancelled", "timed_out"})
 
 
@@ -230,20 +226,7 @@ class RunOps(ApiBase):
         try:
             raw = self._record(run_id)
             if raw["status"] not in _TERMINAL:
-                wait_s = min(wait_ms, self.config.max_request_ms) / 1000
-                # On asyncio a loop timer that wakes the waiter, not a cancel scope
-                # (`move_on_after`: ~16 calls a result, as the claim's wait, where
-                # `WorkerOps.claim` says why); trio keeps the scope.
-                loop = _running_loop()
-                if loop is not None:
-                    timer = loop.call_later(wait_s, waiter.set)
-                    try:
-                        await waiter.wait()
-                    finally:
-                        timer.cancel()
-                else:
-                    with anyio.move_on_after(wait_s):
-                        await waiter.wait()
+                await waiter.wait_at_most(min(wait_ms, self.config.max_request_ms) / 1000)
                 raw = self._record(run_id)
         finally:
             watch.forget(run_id, waiter)

@@ -3,7 +3,6 @@ the workers list (see `api`)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +49,6 @@ _CALL_TOKENS = itertools.count(1)
 _COMPLETE_FIELDS: dict[str, Any] = dict.fromkeys(COMPLETE_FIELDS)
 """A complete's body as the lease actor gets it: every field present, None when not sent
 (`LeaseCall.body`), so it reads them by subscript (a complete a step, ~10 `get` calls)."""
-_running_loop = asyncio._get_running_loop  # None outside asyncio (trio), without raising
 _CLAIMS = itertools.count(1)
 _CONNECTIONS = itertools.count(1)
 
@@ -257,21 +255,10 @@ class WorkerOps(ApiBase):
         await self._tell_session(worker_id, ClaimSlots(claim, max, run_id, deadline, reply),
                                  inline=hold_ms > 0)
         # The session answers the claim at its deadline; this bound is for a session
-        # that died meanwhile. On asyncio a timer that wakes the wait, not a cancel
-        # scope: a scope (`move_on_after`) cost ~35 calls a claim (its backend lookup,
-        # anyio's task state, its exit's restart of the parent's cancellation), and
-        # a first step over HTTP reaches its worker through a claim.
-        loop = _running_loop()
+        # that died meanwhile (`Waiter.wait_at_most`: no cancel scope on asyncio, and
+        # a first step over HTTP reaches its worker through a claim).
         try:
-            if loop is not None:
-                timer = loop.call_later(hold_ms / 1000 + 0.05, done.set)
-                try:
-                    await done.wait()
-                finally:
-                    timer.cancel()
-            else:
-                with anyio.move_on_after(hold_ms / 1000 + 0.05):
-                    await done.wait()
+            await done.wait_at_most(hold_ms / 1000 + 0.05)
         except BaseException:
             closed = True  # cut short (cancelled): whatever it got goes back
             for leases in got:
