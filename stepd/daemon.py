@@ -115,6 +115,10 @@ class ServeConfig:
         commit_on_loop: ``auto`` (a storage batch runs on the event loop while
             the writer thread idles and commits are quick; docs/storage.md) or
             ``never`` (every batch on the writer thread).
+        sync_mode: ``log`` (a commit is durable after one synced append to the
+            storage's write-ahead log; LMDB commits without its own sync) or
+            ``lmdb`` (LMDB syncs each commit itself: two device flushes);
+            docs/storage.md "The write-ahead log".
     """
 
     data: str
@@ -148,6 +152,7 @@ class ServeConfig:
     retention: str | int | None = None
     idempotency_retention: str | int | None = None
     commit_on_loop: str = "auto"
+    sync_mode: str = "log"
 
     def keyring(self) -> KeyRing:
         """The configured keys.
@@ -173,6 +178,7 @@ class ServeConfig:
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
             worker_expiry_ms=self.worker_expiry_ms,
             commit_on_loop=_commit_on_loop(self.commit_on_loop),
+            write_ahead_log=_sync_mode(self.sync_mode),
             retention_ms=_duration(self.retention, "retention"),
             idempotency_retention_ms=_duration(self.idempotency_retention, "idempotency_retention"),
         )
@@ -189,6 +195,17 @@ def _commit_on_loop(value: str) -> bool:
     if value not in ("auto", "never"):
         raise Invalid(f"must be 'auto' or 'never', got {value!r}", field="commit_on_loop")
     return value == "auto"
+
+
+def _sync_mode(value: str) -> bool:
+    """``log`` or ``lmdb`` (`ServeConfig.sync_mode`): whether the write-ahead log is on.
+
+    Raises:
+        Invalid: anything else, naming the field.
+    """
+    if value not in ("log", "lmdb"):
+        raise Invalid(f"must be 'log' or 'lmdb', got {value!r}", field="sync_mode")
+    return value == "log"
 
 
 def _duration(value: str | int | None, field: str) -> int:

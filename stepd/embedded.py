@@ -113,6 +113,7 @@ class Embedded:
         gc: str = "young",
         uvloop: bool = True,
         commit_on_loop: bool = True,
+        sync_mode: str = "log",
     ) -> None:
         if gc not in GC_POLICIES:
             raise Invalid(f"must be one of {', '.join(GC_POLICIES)}", field="gc")
@@ -126,6 +127,9 @@ class Embedded:
             }.items() if v is not None
         }
         self._settings["commit_on_loop"] = bool(commit_on_loop)
+        if sync_mode not in ("log", "lmdb"):
+            raise Invalid(f"must be 'log' or 'lmdb', got {sync_mode!r}", field="sync_mode")
+        self._settings["write_ahead_log"] = sync_mode == "log"
         self._prices = prices
         self._audit = audit
         self._backend = backend
@@ -332,6 +336,7 @@ def embedded(
     gc: str = "young",
     uvloop: bool = True,
     commit_on_loop: bool = True,
+    sync_mode: str = "log",
 ) -> Embedded:
     """A daemon in this process on the data directory ``path`` (created if missing).
 
@@ -363,6 +368,10 @@ def embedded(
             while the storage writer thread is idle and commits are quick (the
             default; docs/storage.md "On the loop while the writer is idle");
             False: every batch on the writer thread.
+        sync_mode: ``"log"`` (the default: a commit is durable after one synced
+            append to the storage's write-ahead log) or ``"lmdb"`` (LMDB syncs
+            each commit itself, two device flushes); docs/storage.md "The
+            write-ahead log".
 
     Returns:
         An `Embedded`, to open with ``with`` or ``async with``.
@@ -375,4 +384,5 @@ def embedded(
     return Embedded(path, lease_ttl_ms=lease_ttl_ms, heartbeat_ms=heartbeat_ms,
                     recovery_window_ms=recovery_window_ms, max_request_ms=max_request_ms,
                     prices=prices, audit=audit, backend=backend, otlp_endpoint=otlp_endpoint,
-                    gc=gc, uvloop=uvloop, commit_on_loop=commit_on_loop)
+                    gc=gc, uvloop=uvloop, commit_on_loop=commit_on_loop,
+                    sync_mode=sync_mode)

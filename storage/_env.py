@@ -36,6 +36,8 @@ import lmdb
 
 from ._codec import decode, encode
 from ._errors import AlreadyOpen, SchemaMismatch, StorageFull
+from ._wal import WAL_FILE, Wal, recover_files, replay
+from ._wal import lock as lock_wal
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -192,11 +194,13 @@ class Gate:
 
 @dataclass(frozen=True, slots=True)
 class OpenEnv:
-    """An opened environment and the handles of its tables."""
+    """An opened environment, the handles of its tables, and its write-ahead log
+    (None when commits are not synced at all)."""
 
     env: lmdb.Environment
     dbs: dict[str, lmdb._Database]
     path: str
+    wal: Wal | None = None
 
 
 def _is_already_open(exc: lmdb.Error) -> bool:
@@ -210,20 +214,61 @@ def open_env(
     map_size: int,
     max_map_size: int,
     sync: bool,
+    write_ahead_log: bool = True,
 ) -> OpenEnv:
     """Open (creating if needed) the environment at ``path``; blocking.
 
-    Creates the tables and writes the schema version in one synced write
-    transaction, growing the map if even that does not fit. Also clears stale
-    reader slots left by killed processes (``reader_check``).
+    First recovers from the write-ahead log (`_wal.recover_files`, `_wal.replay`)
+    what the last run committed after its last checkpoint. Creates the tables
+    and writes the schema version in one synced write transaction, growing the
+    map if even that does not fit. Also clears stale reader slots left by killed
+    processes (``reader_check``). With ``sync`` and ``write_ahead_log`` the
+    environment is then reopened without LMDB's own sync, behind a new `Wal`;
+    otherwise there is no log (a log left by an earlier run is applied and
+    removed), and commits are synced by LMDB itself (``sync``) or not at all.
 
     Raises:
         AlreadyOpen: py-lmdb reports the files already open in this process.
         SchemaMismatch: the stored schema version is not :data:`SCHEMA_VERSION`.
         StorageFull: creating the tables does not fit in ``max_map_size``.
+        WalCorrupt: the write-ahead log does not follow the environment.
         lmdb.Error: LMDB could not open the directory.
     """
     os.makedirs(path, exist_ok=True)
+    fd = lock_wal(path)
+    try:
+        pending = recover_files(path, fd)
+        env, dbs = _open(path, tables, map_size, max_map_size, sync=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        if pending is not None:
+            replay(env, dbs, pending, max_map_size)
+        if not (sync and write_ahead_log):
+            os.unlink(os.path.join(path, WAL_FILE))  # applied: LMDB holds it all now
+            os.close(fd)
+            fd = -1
+            if sync:
+                return OpenEnv(env=env, dbs=dbs, path=path)
+            env.close()
+            env, dbs = _open(path, tables, map_size, max_map_size, sync=False)
+            return OpenEnv(env=env, dbs=dbs, path=path)
+        # Without LMDB's own sync from here on: the log makes commits durable.
+        current = env.info()["map_size"]
+        env.close()
+        env, dbs = _open(path, tables, current, max_map_size, sync=False)
+        wal = Wal(path, env, fd)
+        return OpenEnv(env=env, dbs=dbs, path=path, wal=wal)
+    except BaseException:
+        env.close()
+        if fd >= 0:
+            os.close(fd)
+        raise
+
+
+def _open(path: str, tables: tuple[str, ...], map_size: int, max_map_size: int, *,
+          sync: bool) -> tuple[lmdb.Environment, dict[str, lmdb._Database]]:
     try:
         env = lmdb.open(
             path,
@@ -257,7 +302,7 @@ def open_env(
     except BaseException:
         env.close()
         raise
-    return OpenEnv(env=env, dbs=dbs, path=path)
+    return env, dbs
 
 
 def _create_tables(env: lmdb.Environment, tables: tuple[str, ...]) -> dict[str, lmdb._Database]:

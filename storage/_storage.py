@@ -38,6 +38,7 @@ from ._env import REGISTRY, Gate, OpenEnv, check_tables, open_env
 from ._errors import StorageClosed
 from ._reads import StorageReads
 from ._txn import WriteTxn
+from ._wal import WalFailed
 from ._writer import CallSoon, Request, StorageStatistics, Writer
 
 __all__ = ["DEFAULT_MAP_SIZE", "DEFAULT_MAX_MAP_SIZE", "Storage"]
@@ -127,6 +128,7 @@ class Storage(StorageReads):
             clock=clock,
             call_soon=call_soon,
             deliver=self._deliver,
+            wal=opened.wal,
         )
         self._thread = threading.Thread(
             target=self._writer_main,
@@ -154,6 +156,7 @@ class Storage(StorageReads):
         max_batch: int = 1024,
         clock: Callable[[], float] | None = None,
         commit_on_loop: bool = True,
+        write_ahead_log: bool = True,
     ) -> AsyncIterator[Storage]:
         """Open the data directory at ``path`` for the duration of the context.
 
@@ -180,6 +183,10 @@ class Storage(StorageReads):
                 the writer thread is idle and commits are quick (the default;
                 `Writer.run_inline`, the ``_writer`` module's docstring); the
                 `commit_on_loop` attribute changes it later.
+            write_ahead_log: with ``sync``, make each commit durable with one
+                synced append to the write-ahead log (``_wal``: one device flush)
+                and commit LMDB without its own sync (the default); False
+                leaves the syncing to LMDB (two flushes a commit).
 
         Yields:
             The open :class:`Storage`.
@@ -214,6 +221,7 @@ class Storage(StorageReads):
                     partial(
                         open_env, real, tables=tables, map_size=map_size,
                         max_map_size=max_map_size, sync=sync,
+                        write_ahead_log=write_ahead_log,
                     )
                 )
             try:
@@ -231,6 +239,8 @@ class Storage(StorageReads):
                 storage.commit_on_loop = commit_on_loop
                 storage._thread.start()
             except BaseException:
+                if opened.wal is not None:
+                    opened.wal.close()
                 opened.env.close()
                 raise
             try:
@@ -261,7 +271,15 @@ class Storage(StorageReads):
     def _close_env(self) -> None:
         with self._gate.exclusive():  # wait out readers in other threads
             self._closed = True
-            self._env.close()
+            wal = self._opened.wal
+            try:
+                if wal is not None:  # a last checkpoint: the next open replays nothing
+                    wal.close()
+            except WalFailed:
+                log.exception("storage at %r: the last checkpoint failed; the next open "
+                              "replays the log", self._opened.path)
+            finally:
+                self._env.close()
 
     def _writer_main(self) -> None:
         try:

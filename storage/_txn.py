@@ -19,6 +19,7 @@ the same helper serves a read and a write transaction.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import lmdb
 
@@ -160,19 +161,23 @@ class ReadTxn:
 class WriteTxn(ReadTxn):
     """Reads and writes inside the writer's (nested) write transaction."""
 
-    __slots__ = ("_on_map_full",)
+    __slots__ = ("_log", "_on_map_full")
 
     def __init__(
         self,
         txn: lmdb.Transaction[bytes],
         dbs: Mapping[str, lmdb._Database],
         on_map_full: Callable[[], None],
+        log: list[tuple[Any, ...]] | None = None,
     ) -> None:
         self._txn = txn  # `ReadTxn.__init__`, spelled out: one per write request
         self._dbs = dbs
         # Called when LMDB reports the map full, so the writer grows the map
         # and re-runs the batch even if the request function swallows the error.
         self._on_map_full = on_map_full
+        # Every write that changed something, for the write-ahead log (`_wal`):
+        # ``(PUT, table, key, value, overwrite)`` or ``(DELETE, table, key)``.
+        self._log = log
 
     def put_raw(self, table: str, key: Key, value: bytes, *, overwrite: bool = True) -> bool:
         """Store bytes under ``key``.
@@ -193,11 +198,15 @@ class WriteTxn(ReadTxn):
         """
         txn = self._live()
         db = self._db(table)
+        raw = to_key(key)
         try:
-            return txn.put(to_key(key), value, overwrite=overwrite, db=db)
+            done = txn.put(raw, value, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
             self._on_map_full()
             raise
+        if done and self._log is not None:
+            self._log.append((0, table, raw, value, overwrite))
+        return done
 
     def put(self, table: str, key: Key, value: object, *, overwrite: bool = True) -> bool:
         """Encode ``value`` (msgpack) and store it under ``key``; see :meth:`put_raw`.
@@ -220,10 +229,14 @@ class WriteTxn(ReadTxn):
             return self.put_raw(table, key, data, overwrite=overwrite)
         try:
             raw = key if type(key) is bytes else key.encode() if type(key) is str else to_key(key)
-            return txn.put(raw, data, overwrite=overwrite, db=db)
+            done = txn.put(raw, data, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
             self._on_map_full()
             raise
+        log = self._log
+        if done and log is not None:
+            log.append((0, table, raw, data, overwrite))
+        return done
 
     def delete(self, table: str, key: Key) -> bool:
         """Delete ``key``; return whether it existed.
@@ -233,11 +246,15 @@ class WriteTxn(ReadTxn):
         """
         txn = self._live()
         db = self._db(table)
+        raw = to_key(key)
         try:
-            return txn.delete(to_key(key), db=db)
+            done = txn.delete(raw, db=db)
         except lmdb.MapFullError:  # deletes copy pages too (copy-on-write)
             self._on_map_full()
             raise
+        if done and self._log is not None:
+            self._log.append((1, table, raw))
+        return done
 
 
 def _bounds(prefix: bytes, start: Key | None, stop: Key | None) -> tuple[bytes, bytes | None]:

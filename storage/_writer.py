@@ -15,8 +15,10 @@ How a batch runs:
 2. It begins one write transaction and runs each request's function, in
    submission order, inside its own nested transaction: a request that raises
    is rolled back alone and its batch-mates still commit.
-3. It commits once (durable when ``sync`` is on), then resolves the whole
-   batch with ONE callback on the event loop thread.
+3. It commits once (durable when ``sync`` is on: by default the batch's writes
+   are first appended to the write-ahead log and synced, `_wal`, and LMDB
+   then commits without its own sync), then resolves the whole batch with ONE
+   callback on the event loop thread.
 
 On the event loop, when the thread is idle: a batch that someone awaits,
 submitted while the writer thread sleeps (nothing queued, or only deferred
@@ -62,6 +64,7 @@ import lmdb
 from ._env import Gate
 from ._errors import CommitFailed, StorageClosed, StorageFull
 from ._txn import WriteTxn
+from ._wal import Wal, WalFailed
 
 __all__ = ["Request", "StorageStatistics", "Writer"]
 
@@ -104,6 +107,9 @@ class StorageStatistics:
         max_map_size: the configured maximum map size in bytes.
         inline_batches: of ``batches``, those run on the event loop's thread
             (`Writer.run_inline`).
+        log_appends: batches appended to the write-ahead log (one synced write
+            each; `_wal`), aborted ones' markers included.
+        checkpoints: checkpoints of the write-ahead log (each syncs LMDB's file).
     """
 
     requests: int
@@ -119,6 +125,8 @@ class StorageStatistics:
     map_size: int
     max_map_size: int
     inline_batches: int = 0
+    log_appends: int = 0
+    checkpoints: int = 0
 
 
 class Request:
@@ -175,8 +183,10 @@ class Writer:
         call_soon: CallSoon,
         deliver: Callable[[list[Request]], None],
         inline: bool = True,
+        wal: Wal | None = None,
     ) -> None:
         self._env = env
+        self._wal = wal
         self._dbs = dbs
         self._gate = gate
         self._max_map_size = max_map_size
@@ -193,6 +203,7 @@ class Writer:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._sleeping = False  # the writer blocks (or is about to) on `_wake`
+        self._preflush = False  # `run_inline` asks the thread for `Wal.preflush`
         self._queue: collections.deque[Request] = collections.deque()
         self._awaited_queued = 0
         self._stopping = False
@@ -275,6 +286,8 @@ class Writer:
             map_size=self._map_size,
             max_map_size=self._max_map_size,
             inline_batches=self._inline_batches,
+            log_appends=0 if self._wal is None else self._wal.appends,
+            checkpoints=0 if self._wal is None else self._wal.checkpoints,
         )
 
     def run_inline(self, requests: list[Request]) -> bool:
@@ -319,6 +332,14 @@ class Writer:
             log.exception("a storage batch on the event loop failed")
             self._fail(requests, lambda: CommitFailed("the batch's commit failed"), exc,
                        self._deliver)
+        wal = self._wal
+        if wal is not None and wal.preflush_due:  # the sleeping thread's job
+            wal.preflush_asked()
+            with self._mutex:
+                self._preflush = True
+                if self._sleeping:
+                    self._sleeping = False
+                    self._wake.release()
         return True
 
     # -- the thread -------------------------------------------------------
@@ -376,6 +397,17 @@ class Writer:
                 elif self._stopping:
                     return []
                 self._sleeping = True
+                preflush, self._preflush = self._preflush, False
+            if preflush:
+                # Counted as asleep meanwhile (batches may run on the loop): then
+                # settle the wake-up protocol as after a timed-out sleep.
+                self._wal.preflush()  # type: ignore[union-attr]  # asked for with a log only
+                with mutex:
+                    if self._sleeping:
+                        self._sleeping = False
+                    else:
+                        wake.acquire(blocking=False)
+                continue
             if not wake.acquire(timeout=timeout):
                 with mutex:
                     if self._sleeping:  # nobody woke it
@@ -485,14 +517,26 @@ class Writer:
             map_full = True
 
         env = self._env
+        wal = self._wal
         txn = env.begin(write=True)
+        # The batch's writes for the write-ahead log (`_wal`), in order; a request
+        # that fails has its own cut off again.
+        ops: list[tuple[Any, ...]] | None = None
         finished = False
         try:
+            if wal is not None:
+                if wal.due:  # under LMDB's writer lock: nothing commits meanwhile
+                    try:
+                        wal.checkpoint()
+                    except WalFailed as exc:
+                        raise _CommitError(exc) from exc
+                ops = []
             for req in batch:
                 req.value = None
                 req.error = None
                 child = env.begin(write=True, parent=txn)
-                wtxn = WriteTxn(child, self._dbs, on_map_full)
+                wtxn = WriteTxn(child, self._dbs, on_map_full, ops)
+                mark = 0 if ops is None else len(ops)
                 try:
                     value = req.fn(wtxn, *req.args)
                 except Exception as exc:
@@ -501,6 +545,8 @@ class Writer:
                     if map_full or isinstance(exc, lmdb.MapFullError):
                         raise _MapFull from exc
                     req.error = exc
+                    if ops is not None:
+                        del ops[mark:]
                     continue
                 wtxn._txn = None
                 if map_full:  # the function swallowed a MapFullError
@@ -512,20 +558,42 @@ class Writer:
                     raise _MapFull from exc
                 except lmdb.Error as exc:
                     req.error = exc
+                    if ops is not None:
+                        del ops[mark:]
                     continue
                 req.value = value
             if injected is not None:  # the test hook: fail exactly where a commit can
                 raise _CommitError(injected)
+            txnid = 0
+            if ops:  # durable from here: appended and synced before LMDB commits
+                txnid = txn.id()
+                try:
+                    wal.append(txnid, ops)  # type: ignore[union-attr]  # ops: wal is set
+                except WalFailed as exc:
+                    raise _CommitError(exc) from exc
             try:
                 finished = True  # committed, or freed by the failed commit
                 txn.commit()
             except lmdb.MapFullError as exc:
+                if txnid:
+                    self._wal_abort(txnid)
                 raise _MapFull from exc
             except Exception as exc:
+                if txnid:
+                    self._wal_abort(txnid)
                 raise _CommitError(exc) from exc
         finally:
             if not finished:
                 txn.abort()
+
+    def _wal_abort(self, txnid: int) -> None:
+        """The batch logged as ``txnid`` did not commit: say so in the log, so that a
+        replay skips it (if even that fails, the log refuses every later batch)."""
+        try:
+            self._wal.abort(txnid)  # type: ignore[union-attr]  # only called with a log
+        except WalFailed:
+            log.critical("storage: batch %d failed to commit after it was logged, and the "
+                         "log could not record that", txnid)
 
     def _grow(self) -> bool:
         """Double the map (up to the maximum); False if already at the maximum."""
@@ -534,8 +602,17 @@ class Writer:
             return False
         new = min(current * 2, self._max_map_size)
         started = time.monotonic()
+        wal = self._wal
         with self._gate.exclusive():  # set_mapsize: no transaction may be open
+            if wal is not None:
+                wal.unpin()  # the pin too; the checkpoint below takes it again
             self._env.set_mapsize(new)
+            if wal is not None:
+                txn = self._env.begin(write=True)  # LMDB's writer lock while it runs
+                try:
+                    wal.checkpoint()
+                finally:
+                    txn.abort()
         self._map_size = self._env.info()["map_size"]
         self._map_growths += 1
         log.info(

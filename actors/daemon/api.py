@@ -83,7 +83,7 @@ class Daemon(WorkerOps, RunOps, SessionOps, ScheduleOps, RetentionOps):
         async with Storage.open(
             path, sync=config.sync, extra_tables=store.EXTRA_TABLES,
             map_size=config.map_size, max_map_size=config.max_map_size,
-            commit_on_loop=config.commit_on_loop,
+            commit_on_loop=config.commit_on_loop, write_ahead_log=config.write_ahead_log,
         ) as storage:
             catalog = Catalog()
             storage.read(catalog.load_txn)

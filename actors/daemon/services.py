@@ -50,6 +50,9 @@ class DaemonConfig:
     #: Let a storage batch run on the event loop while the writer thread idles and
     #: commits are quick (docs/storage.md "On the loop while the writer is idle").
     commit_on_loop: bool = True
+    #: Make a commit durable with one synced append to the storage's write-ahead log
+    #: (docs/storage.md "The write-ahead log"); False: LMDB syncs its own commits.
+    write_ahead_log: bool = True
     map_size: int = 64 << 20
     max_map_size: int = 64 << 30
     prices: PriceBook = PriceBook()  # noqa: RUF009 - frozen: one shared default is safe

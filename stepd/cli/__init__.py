@@ -178,6 +178,10 @@ def main() -> None:
          help="auto: a storage batch runs on the event loop while the writer thread is idle "
               "and commits are quick (lower latency at light load); never: always on the "
               "writer thread (docs/storage.md)")
+@_option("sync-mode", type=click.Choice(["log", "lmdb"]), default="log", show_default=True,
+         help="log: a commit is durable after one synced append to the storage's write-ahead "
+              "log (one device flush); lmdb: LMDB syncs each commit itself (two flushes; "
+              "docs/storage.md)")
 @_option("unsafe-no-sync", is_flag=True, default=False, hidden=True,
          help="commit without fsync: loses acknowledged work on power loss (tests only)")
 def serve(**options: Any) -> None:
