@@ -67,7 +67,7 @@ CHECKPOINT_COMMITS = 64
 #: ...or this many bytes of log. Both bound how many pages LMDB cannot reuse
 #: while the pin holds the last checkpoint's snapshot (the file grows by at most
 #: that many pages' worth before the next checkpoint frees them).
-CHECKPOINT_BYTES = 1 << 20
+CHECKPOINT_BYTES = 256 << 10
 #: Every this many commits the writer thread syncs LMDB's file on its own
 #: (`Wal.preflush`, no lock held): the checkpoint's sync, under LMDB's writer lock
 #: and in some step's way, then has only the last few commits' pages to write.
