@@ -295,8 +295,8 @@ class Wal:
         checkpoint, _ = _read_checkpoint(self._fd)
         self._start = 2 * _slot_size(self._page_size)
         self._gen = checkpoint.gen if checkpoint is not None else 0
-        size = os.fstat(self._fd).st_size
-        if size < self._start + LOG_BYTES:
+        self._size = os.fstat(self._fd).st_size
+        if self._size < self._start + LOG_BYTES:
             self._extend(self._start + LOG_BYTES)
         self._offset = self._start
         self._commits = 0
@@ -343,6 +343,7 @@ class Wal:
             os.pwrite(self._fd, zeros[:n], current)
             current += n
         os.fsync(self._fd)
+        self._size = current
 
     def append(self, txnid: int, ops: list[Op], kind: int = _BATCH) -> None:
         """Log one batch (``ops`` in order) and sync it: after this it is durable.
@@ -360,7 +361,7 @@ class Wal:
         # earlier sync already flushed (and may still have under writeback).
         end = self._offset + (len(head) + len(body) + 4095) // 4096 * 4096
         try:
-            if end > os.fstat(self._fd).st_size:
+            if end > self._size:
                 self._extend(end + LOG_BYTES)
             os.pwrite(self._fd, head + body, self._offset)
             os.fdatasync(self._fd)

@@ -203,7 +203,7 @@ class Writer:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._sleeping = False  # the writer blocks (or is about to) on `_wake`
-        self._preflush = False  # `run_inline` asks the thread for `Wal.preflush`
+        self._preflush = False  # `run_inline` asks the thread for `_maintain_log`
         self._queue: collections.deque[Request] = collections.deque()
         self._awaited_queued = 0
         self._stopping = False
@@ -333,7 +333,7 @@ class Writer:
             self._fail(requests, lambda: CommitFailed("the batch's commit failed"), exc,
                        self._deliver)
         wal = self._wal
-        if wal is not None and wal.preflush_due:  # the sleeping thread's job
+        if wal is not None and (wal.preflush_due or wal.due):  # the sleeping thread's job
             wal.preflush_asked()
             with self._mutex:
                 self._preflush = True
@@ -401,7 +401,7 @@ class Writer:
             if preflush:
                 # Counted as asleep meanwhile (batches may run on the loop): then
                 # settle the wake-up protocol as after a timed-out sleep.
-                self._wal.preflush()  # type: ignore[union-attr]  # asked for with a log only
+                self._maintain_log()
                 with mutex:
                     if self._sleeping:
                         self._sleeping = False
@@ -585,6 +585,30 @@ class Writer:
         finally:
             if not finished:
                 txn.abort()
+
+    def _maintain_log(self) -> None:
+        """The thread's share of the log's upkeep while batches run on the loop: a due
+        checkpoint (under LMDB's writer lock, and inside the gate so a map growth on
+        the loop waits for it), else a `Wal.preflush`. A batch on the loop meanwhile
+        waits for LMDB's lock at most one checkpoint long, instead of running it."""
+        wal = self._wal
+        assert wal is not None  # asked for with a log only
+        if not wal.due:
+            wal.preflush()
+            return
+        gate = self._gate
+        gate.enter_shared()
+        try:
+            txn = self._env.begin(write=True)
+            try:
+                if wal.due:  # a batch on the loop may have run it first
+                    wal.checkpoint()
+            except WalFailed:
+                log.exception("storage: a checkpoint failed (the next batch meets it)")
+            finally:
+                txn.abort()
+        finally:
+            gate.exit_shared()
 
     def _wal_abort(self, txnid: int) -> None:
         """The batch logged as ``txnid`` did not commit: say so in the log, so that a
