@@ -506,10 +506,23 @@ class Writer:
     def _attempt(self, batch: list[Request], injected: BaseException | None) -> None:
         """One try at a batch: run every request, commit. Outcomes land on the requests.
 
+        Inside the gate (shared), as a reader is: a map growth on the other thread
+        (the loop's or the writer's) waits for this batch's transaction to end, and
+        no batch slips in between a growth's release of the log's pin and its
+        checkpoint (`_grow`).
+
         Raises:
             _MapFull: the map is full; the batch was aborted.
             _CommitError: the commit failed; the batch was aborted.
         """
+        gate = self._gate
+        gate.enter_shared()
+        try:
+            self._attempt_in_gate(batch, injected)
+        finally:
+            gate.exit_shared()
+
+    def _attempt_in_gate(self, batch: list[Request], injected: BaseException | None) -> None:
         map_full = False
 
         def on_map_full() -> None:
