@@ -48,12 +48,20 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lmdb
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
 from ._errors import StorageError
+
+
+class Gate(Protocol):
+    """What `Wal.maintain` needs of `_env.Gate` (not imported: `_env` imports this)."""
+
+    def enter_shared(self) -> None: ...
+
+    def exit_shared(self) -> None: ...
 
 __all__ = ["WAL_FILE", "Wal", "WalCorrupt", "WalFailed", "lock", "recover_files", "replay"]
 
@@ -321,6 +329,59 @@ class Wal:
     def preflush_due(self) -> bool:
         """LMDB's file has `PREFLUSH_COMMITS` commits' pages not synced or asked to be."""
         return self._commits - self._preflushed >= PREFLUSH_COMMITS
+
+    def begin_batch(self) -> list[Op]:
+        """At a batch's start, under LMDB's writer lock: a due checkpoint, then the
+        list the batch's `WriteTxn`s record their writes in.
+
+        Raises:
+            WalFailed: the checkpoint failed (now or before).
+        """
+        if self.due:
+            self.checkpoint()
+        return []
+
+    def not_committed(self, txnid: int) -> None:
+        """The batch logged as ``txnid`` did not commit: `abort`, and if even that
+        fails, say so (the log refuses every later batch by then)."""
+        try:
+            self.abort(txnid)
+        except WalFailed:
+            log.critical("storage: batch %d failed to commit after it was logged, and the "
+                         "log could not record that", txnid)
+
+    def checkpoint_locked(self) -> None:
+        """`checkpoint` holding LMDB's writer lock (a write transaction, aborted after).
+
+        Raises:
+            WalFailed: see `checkpoint`.
+        """
+        txn = self._env.begin(write=True)
+        try:
+            self.checkpoint()
+        finally:
+            txn.abort()
+
+    def maintain(self, gate: Gate) -> None:
+        """The writer thread's share of the upkeep while batches run on the loop: a due
+        checkpoint (under LMDB's writer lock, and inside ``gate`` so that a map growth
+        on the loop waits for it), else a `preflush`. A batch on the loop meanwhile
+        waits for LMDB's lock at most one checkpoint long, instead of running it."""
+        if not self.due:
+            self.preflush()
+            return
+        gate.enter_shared()
+        try:
+            txn = self._env.begin(write=True)
+            try:
+                if self.due:  # a batch on the loop may have run it first
+                    self.checkpoint()
+            finally:
+                txn.abort()
+        except WalFailed:
+            log.exception("storage: a checkpoint failed (the next batch meets it)")
+        finally:
+            gate.exit_shared()
 
     def preflush_asked(self) -> None:
         """The writer asked its thread for a `preflush` (under LMDB's writer lock)."""

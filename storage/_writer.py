@@ -57,14 +57,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import lmdb
 
+from ._batch import Batches, Request
 from ._env import Gate
-from ._errors import CommitFailed, StorageClosed, StorageFull
-from ._txn import WriteTxn
-from ._wal import Wal, WalFailed
+from ._errors import CommitFailed, StorageClosed
+from ._wal import Wal
 
 __all__ = ["Request", "StorageStatistics", "Writer"]
 
@@ -129,40 +128,7 @@ class StorageStatistics:
     checkpoints: int = 0
 
 
-class Request:
-    """One queued write: ``fn(txn, *args)`` and where its outcome goes."""
-
-    __slots__ = ("args", "deferred", "enqueued_at", "error", "fn", "value", "waiter")
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        waiter: Any,  # a stepd.actors.Waiter (awaited) or None (deferred)
-        enqueued_at: float,
-    ) -> None:
-        self.fn = fn
-        self.args = args
-        self.waiter = waiter
-        self.deferred = waiter is None
-        self.enqueued_at = enqueued_at
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
-class _MapFull(Exception):
-    """Internal: the batch hit ``MapFullError``."""
-
-
-class _CommitError(Exception):
-    """Internal: the batch's commit raised ``cause``."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-class Writer:
+class Writer(Batches):
     """The writer thread's state and loop; see the module docstring.
 
     ``run`` is the thread's target. Everything else is called from other
@@ -203,7 +169,7 @@ class Writer:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._sleeping = False  # the writer blocks (or is about to) on `_wake`
-        self._preflush = False  # `run_inline` asks the thread for `_maintain_log`
+        self._preflush = False  # `run_inline` asks the thread for `Wal.maintain`
         self._queue: collections.deque[Request] = collections.deque()
         self._awaited_queued = 0
         self._stopping = False
@@ -401,7 +367,7 @@ class Writer:
             if preflush:
                 # Counted as asleep meanwhile (batches may run on the loop): then
                 # settle the wake-up protocol as after a timed-out sleep.
-                self._maintain_log()
+                self._wal.maintain(self._gate)  # type: ignore[union-attr]  # asked with a log only
                 with mutex:
                     if self._sleeping:
                         self._sleeping = False
@@ -453,208 +419,3 @@ class Writer:
         self._commit_avg += (took - self._commit_avg) * 0.25
         if took > INLINE_SLOW_S:
             self._slow_until = started + took + INLINE_BACKOFF_S
-
-    def _run_batch(self, batch: list[Request], done: Callable[[list[Request]], None],
-                   injected: BaseException | None = None) -> None:
-        while True:
-            try:
-                self._attempt(batch, injected)
-            except _MapFull:
-                if self._grow():
-                    continue  # re-run the whole batch in the bigger map
-                if len(batch) > 1:  # at the maximum: let whatever fits commit
-                    mid = len(batch) // 2
-                    self._run_batch(batch[:mid], done, injected)
-                    self._run_batch(batch[mid:], done)
-                    return
-                self._fail(
-                    batch,
-                    lambda: StorageFull(
-                        f"the write does not fit in max_map_size={self._max_map_size} bytes"
-                    ),
-                    None,
-                    done,
-                )
-                return
-            except _CommitError as exc:
-                self._failed_commits += 1
-                log.error("storage commit failed: %r", exc.cause)
-                self._fail(batch, lambda: CommitFailed("the batch's commit failed"), exc.cause,
-                           done)
-                return
-            self._commits += 1
-            for r in batch:
-                if r.error is not None:
-                    self._failed_requests += 1
-            done(batch)
-            return
-
-    def _fail(
-        self,
-        batch: list[Request],
-        make: Callable[[], BaseException],
-        cause: BaseException | None,
-        done: Callable[[list[Request]], None],
-    ) -> None:
-        for req in batch:
-            err = make()  # one exception object per caller: tracebacks are per raise
-            err.__cause__ = cause
-            req.value = None
-            req.error = err
-        done(batch)
-
-    def _attempt(self, batch: list[Request], injected: BaseException | None) -> None:
-        """One try at a batch: run every request, commit. Outcomes land on the requests.
-
-        Inside the gate (shared), as a reader is: a map growth on the other thread
-        (the loop's or the writer's) waits for this batch's transaction to end, and
-        no batch slips in between a growth's release of the log's pin and its
-        checkpoint (`_grow`).
-
-        Raises:
-            _MapFull: the map is full; the batch was aborted.
-            _CommitError: the commit failed; the batch was aborted.
-        """
-        gate = self._gate
-        gate.enter_shared()
-        try:
-            self._attempt_in_gate(batch, injected)
-        finally:
-            gate.exit_shared()
-
-    def _attempt_in_gate(self, batch: list[Request], injected: BaseException | None) -> None:
-        map_full = False
-
-        def on_map_full() -> None:
-            nonlocal map_full
-            map_full = True
-
-        env = self._env
-        wal = self._wal
-        txn = env.begin(write=True)
-        # The batch's writes for the write-ahead log (`_wal`), in order; a request
-        # that fails has its own cut off again.
-        ops: list[tuple[Any, ...]] | None = None
-        finished = False
-        try:
-            if wal is not None:
-                if wal.due:  # under LMDB's writer lock: nothing commits meanwhile
-                    try:
-                        wal.checkpoint()
-                    except WalFailed as exc:
-                        raise _CommitError(exc) from exc
-                ops = []
-            for req in batch:
-                req.value = None
-                req.error = None
-                child = env.begin(write=True, parent=txn)
-                wtxn = WriteTxn(child, self._dbs, on_map_full, ops)
-                mark = 0 if ops is None else len(ops)
-                try:
-                    value = req.fn(wtxn, *req.args)
-                except Exception as exc:
-                    wtxn._txn = None  # `_finish`, spelled out: invalid from here on
-                    child.abort()
-                    if map_full or isinstance(exc, lmdb.MapFullError):
-                        raise _MapFull from exc
-                    req.error = exc
-                    if ops is not None:
-                        del ops[mark:]
-                    continue
-                wtxn._txn = None
-                if map_full:  # the function swallowed a MapFullError
-                    child.abort()
-                    raise _MapFull
-                try:
-                    child.commit()
-                except lmdb.MapFullError as exc:
-                    raise _MapFull from exc
-                except lmdb.Error as exc:
-                    req.error = exc
-                    if ops is not None:
-                        del ops[mark:]
-                    continue
-                req.value = value
-            if injected is not None:  # the test hook: fail exactly where a commit can
-                raise _CommitError(injected)
-            txnid = 0
-            if ops:  # durable from here: appended and synced before LMDB commits
-                txnid = txn.id()
-                try:
-                    wal.append(txnid, ops)  # type: ignore[union-attr]  # ops: wal is set
-                except WalFailed as exc:
-                    raise _CommitError(exc) from exc
-            try:
-                finished = True  # committed, or freed by the failed commit
-                txn.commit()
-            except lmdb.MapFullError as exc:
-                if txnid:
-                    self._wal_abort(txnid)
-                raise _MapFull from exc
-            except Exception as exc:
-                if txnid:
-                    self._wal_abort(txnid)
-                raise _CommitError(exc) from exc
-        finally:
-            if not finished:
-                txn.abort()
-
-    def _maintain_log(self) -> None:
-        """The thread's share of the log's upkeep while batches run on the loop: a due
-        checkpoint (under LMDB's writer lock, and inside the gate so a map growth on
-        the loop waits for it), else a `Wal.preflush`. A batch on the loop meanwhile
-        waits for LMDB's lock at most one checkpoint long, instead of running it."""
-        wal = self._wal
-        assert wal is not None  # asked for with a log only
-        if not wal.due:
-            wal.preflush()
-            return
-        gate = self._gate
-        gate.enter_shared()
-        try:
-            txn = self._env.begin(write=True)
-            try:
-                if wal.due:  # a batch on the loop may have run it first
-                    wal.checkpoint()
-            except WalFailed:
-                log.exception("storage: a checkpoint failed (the next batch meets it)")
-            finally:
-                txn.abort()
-        finally:
-            gate.exit_shared()
-
-    def _wal_abort(self, txnid: int) -> None:
-        """The batch logged as ``txnid`` did not commit: say so in the log, so that a
-        replay skips it (if even that fails, the log refuses every later batch)."""
-        try:
-            self._wal.abort(txnid)  # type: ignore[union-attr]  # only called with a log
-        except WalFailed:
-            log.critical("storage: batch %d failed to commit after it was logged, and the "
-                         "log could not record that", txnid)
-
-    def _grow(self) -> bool:
-        """Double the map (up to the maximum); False if already at the maximum."""
-        current = self._env.info()["map_size"]
-        if current >= self._max_map_size:
-            return False
-        new = min(current * 2, self._max_map_size)
-        started = time.monotonic()
-        wal = self._wal
-        with self._gate.exclusive():  # set_mapsize: no transaction may be open
-            if wal is not None:
-                wal.unpin()  # the pin too; the checkpoint below takes it again
-            self._env.set_mapsize(new)
-            if wal is not None:
-                txn = self._env.begin(write=True)  # LMDB's writer lock while it runs
-                try:
-                    wal.checkpoint()
-                finally:
-                    txn.abort()
-        self._map_size = self._env.info()["map_size"]
-        self._map_growths += 1
-        log.info(
-            "storage map grown from %d to %d bytes in %.1f ms",
-            current, self._map_size, (time.monotonic() - started) * 1000,
-        )
-        return True
-
