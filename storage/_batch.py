@@ -138,14 +138,6 @@ class Batches:
             _MapFull: the map is full; the batch was aborted.
             _CommitError: the commit failed; the batch was aborted.
         """
-        gate = self._gate
-        gate.enter_shared()
-        try:
-            self._attempt_in_gate(batch, injected)
-        finally:
-            gate.exit_shared()
-
-    def _attempt_in_gate(self, batch: list[Request], injected: BaseException | None) -> None:
         map_full = False
 
         def on_map_full() -> None:
@@ -154,17 +146,25 @@ class Batches:
 
         env = self._env
         wal = self._wal
-        txn = env.begin(write=True)
+        gate = self._gate
+        gate.enter_shared()
+        try:
+            txn = env.begin(write=True)
+        except BaseException:
+            gate.exit_shared()
+            raise
         # The batch's writes for the write-ahead log (`_wal`), in order; a request
         # that fails has its own cut off again.
         ops: list[tuple[Any, ...]] | None = None
         finished = False
         try:
             if wal is not None:
-                try:
-                    ops = wal.begin_batch()  # a due checkpoint first, under LMDB's lock
-                except WalFailed as exc:
-                    raise _CommitError(exc) from exc
+                if wal.due:  # under LMDB's writer lock: nothing commits meanwhile
+                    try:
+                        wal.checkpoint()
+                    except WalFailed as exc:
+                        raise _CommitError(exc) from exc
+                ops = []
             for req in batch:
                 req.value = None
                 req.error = None
@@ -219,6 +219,7 @@ class Batches:
         finally:
             if not finished:
                 txn.abort()
+            gate.exit_shared()
 
     def _grow(self) -> bool:
         """Double the map (up to the maximum); False if already at the maximum."""
