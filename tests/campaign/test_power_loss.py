@@ -16,8 +16,10 @@ completion, start or signal is acknowledged, or at once, the round ends with
 a cut:
 
 1. the daemon is SIGKILLed by its PID;
-2. the lazyfs server is SIGKILLed: every write not yet synced is gone, and
-   every request it had not answered (a held fsync) fails;
+2. the lazyfs server is SIGKILLed: every write not yet synced is gone (every
+   other round the cut is torn: each unsynced page is kept or dropped at
+   random, as a disk's cache may leave them), and every request it had not
+   answered (a held fsync) fails;
 3. the daemon is reaped, the dead mount unmounted (the kernel's page cache
    of its files goes with it) and a new server mounted on what was synced;
 4. the next round starts a new daemon on the same directory.
@@ -80,6 +82,12 @@ ROUND_S = (0.3, 1.5)
 # (The order puts a cut amid a sync first, so that a reduced run of 3 cuts has one.)
 ROUND_KINDS = ("amid-sync", "complete", "start", "signal", "random")
 ACK_WAIT_S = 3.0
+# Every other round's cut is torn: each unsynced page reaches the disk with this
+# probability (`LazyFS.cut`'s ``keep``), the way a real disk's cache can leave a meta
+# page written ahead of the pages it names. The storage runs LMDB without its own sync
+# behind its write-ahead log (docs/storage.md), which must recover from exactly that.
+# Not for the control: it has nothing to recover with.
+TORN_KEEP = 0.5
 FINAL_DEADLINE_S = 90.0
 CONTROL_FINAL_DEADLINE_S = 20.0  # the control's lost runs never finish
 
@@ -107,6 +115,8 @@ class Campaign:
     final_status: int
     starter_idle: bool
     elapsed: float
+    torn_cuts: int = 0
+    torn_pages_kept: int = 0
 
 
 def run_campaign(fs: LazyFS, cuts: int, seed: int, *, unsafe: bool) -> Campaign:
@@ -134,6 +144,7 @@ def run_campaign(fs: LazyFS, cuts: int, seed: int, *, unsafe: bool) -> Campaign:
     on_ack: Counter[str] = Counter()
     syncs = 0
     mid_write = 0  # cuts that found written, unsynced pages of data.mdb
+    torn = kept = 0
     done = 0
     d: DaemonProcess | None = None
     try:
@@ -153,7 +164,10 @@ def run_campaign(fs: LazyFS, cuts: int, seed: int, *, unsafe: bool) -> Campaign:
             # reaped once the lazyfs server is dead (a held fsync keeps it until then).
             os.kill(d.pid, signal.SIGKILL)
             current.publish(None)
-            before = fs.cut(then=functools.partial(kill9, d))
+            keep = TORN_KEEP if round_no % 2 == 1 and not unsafe else 0.0
+            before = fs.cut(keep=keep, seed=seed + round_no, then=functools.partial(kill9, d))
+            torn += keep > 0
+            kept += int(before.get("torn_pages_kept", 0))
             if "Traceback" in d.stderr():
                 tracebacks.append(f"round {round_no}:\n{d.stderr()}")
             d = None
@@ -191,7 +205,7 @@ def run_campaign(fs: LazyFS, cuts: int, seed: int, *, unsafe: bool) -> Campaign:
             t.join(15)
     finished = sum(1 for r in results.values() if r.get("status") == "completed")
     return Campaign(h, verdict, done, on_ack, fs.dropped_pages, mid_write, syncs, finished, tracebacks,
-                    final_status, starter_idle, time.monotonic() - t0)
+                    final_status, starter_idle, time.monotonic() - t0, torn, kept)
 
 
 def _figures(c: Campaign) -> str:
@@ -199,6 +213,7 @@ def _figures(c: Campaign) -> str:
     return (
         f"cuts={c.cuts} (right after an ack / amid a sync: {dict(sorted(c.on_ack.items()))}) "
         f"dropped-unsynced-pages={c.dropped_pages} (cuts amid a data.mdb write {c.cuts_mid_write}) "
+        f"torn-cuts={c.torn_cuts} (unsynced pages kept {c.torn_pages_kept}) "
         f"syncs={c.syncs} "
         f"checked: completions={len(h.acked)} starts={len(h.runs)} signals={len(h.signals)} "
         f"lost: completions={len(v.lost_completions)} starts={len(v.lost_starts)} "
