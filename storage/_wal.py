@@ -455,7 +455,7 @@ class Wal:
             slot = _slot_size(self._page_size)
             os.pwrite(self._fd, body + struct.pack("<I", zlib.crc32(body)), (gen % 2) * slot)
             os.fdatasync(self._fd)
-        except OSError as exc:
+        except (OSError, lmdb.Error) as exc:  # py-lmdb reports a failed sync as lmdb.Error
             self.broken = exc
             log.critical("storage: a checkpoint of the write-ahead log failed: %r", exc)
             raise WalFailed(f"a checkpoint failed: {exc!r}") from exc

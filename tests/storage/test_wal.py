@@ -313,3 +313,30 @@ async def test_a_log_that_cannot_be_written_refuses_every_later_batch(tmp_path: 
     async with Storage.open(data) as storage:
         assert storage.get("runs", "before") == 1
         assert storage.get("runs", "lost") is None
+
+
+async def test_a_checkpoint_that_fails_refuses_every_later_batch(tmp_path: Path) -> None:
+    """A checkpoint's own failure (here: LMDB's meta pages cannot be read back, EBADF
+    on a write-only descriptor) is the log's failure too: the batch that ran it fails,
+    and so does every batch after it; what was acknowledged before stays."""
+    data = tmp_path / "db"
+    async with Storage.open(data) as storage:
+        await storage.write(put_txn, "before", 1)
+        wal = storage._writer._wal
+        assert wal is not None
+        writeonly = os.open(data / "data.mdb", os.O_WRONLY)
+        readable, wal._data_fd = wal._data_fd, writeonly
+        try:
+            wal.due = True  # the next batch checkpoints first
+            with pytest.raises(CommitFailed):
+                await storage.write(put_txn, "lost", 1)
+            wal._data_fd = readable
+            with pytest.raises(CommitFailed):
+                await storage.write(put_txn, "later", 1)
+            assert storage.get("runs", "lost") is None
+        finally:
+            wal._data_fd = readable
+            os.close(writeonly)
+    async with Storage.open(data) as storage:
+        assert storage.get("runs", "before") == 1
+        assert storage.get("runs", "lost") is None and storage.get("runs", "later") is None
