@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 
 from stepd.actors import Waiter
 
@@ -16,7 +17,7 @@ async def test_a_set_waiter_returns_at_once_and_a_later_set_wakes_it_early() -> 
     later = Waiter()
 
     async def set_soon() -> None:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         later.set()
 
     async with anyio.create_task_group() as tg:
