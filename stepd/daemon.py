@@ -177,8 +177,8 @@ class ServeConfig:
             recovery_window_ms=self.recovery_window_ms, max_request_ms=self.max_request_ms,
             prices=prices, sync=not self.unsafe_no_sync, max_child_depth=self.max_child_depth,
             worker_expiry_ms=self.worker_expiry_ms,
-            commit_on_loop=_commit_on_loop(self.commit_on_loop),
-            write_ahead_log=_sync_mode(self.sync_mode),
+            commit_on_loop=_choice(self.commit_on_loop, "commit_on_loop", "auto", "never"),
+            write_ahead_log=_choice(self.sync_mode, "sync_mode", "log", "lmdb"),
             retention_ms=_duration(self.retention, "retention"),
             idempotency_retention_ms=_duration(self.idempotency_retention, "idempotency_retention"),
         )
@@ -186,26 +186,15 @@ class ServeConfig:
         return config
 
 
-def _commit_on_loop(value: str) -> bool:
-    """``auto`` or ``never`` (`ServeConfig.commit_on_loop`).
+def _choice(value: str, field: str, on: str, off: str) -> bool:
+    """A two-way flag (``commit_on_loop``: auto/never, ``sync_mode``: log/lmdb) as a bool.
 
     Raises:
-        Invalid: anything else, naming the field.
+        Invalid: neither word, naming the field.
     """
-    if value not in ("auto", "never"):
-        raise Invalid(f"must be 'auto' or 'never', got {value!r}", field="commit_on_loop")
-    return value == "auto"
-
-
-def _sync_mode(value: str) -> bool:
-    """``log`` or ``lmdb`` (`ServeConfig.sync_mode`): whether the write-ahead log is on.
-
-    Raises:
-        Invalid: anything else, naming the field.
-    """
-    if value not in ("log", "lmdb"):
-        raise Invalid(f"must be 'log' or 'lmdb', got {value!r}", field="sync_mode")
-    return value == "log"
+    if value not in (on, off):
+        raise Invalid(f"must be {on!r} or {off!r}, got {value!r}", field=field)
+    return value == on
 
 
 def _duration(value: str | int | None, field: str) -> int:

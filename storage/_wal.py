@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import lmdb
 import msgpack  # type: ignore[import-untyped]  # no stubs published
 
-from ._errors import StorageError
+from ._errors import StorageError, StorageFull
 
 
 class Gate(Protocol):
@@ -246,8 +246,6 @@ def replay(env: lmdb.Environment, dbs: dict[str, Any], pending: Pending,
             names a table that does not exist.
         StorageFull: a batch does not fit even at ``max_map_size``.
     """
-    from ._errors import StorageFull
-
     last = env.info()["last_txnid"]
     if last != pending.checkpoint.txnid:
         raise WalCorrupt(f"LMDB is at transaction {last} after restoring checkpoint "
@@ -325,23 +323,26 @@ class Wal:
                 os.close(dfd)
 
     def not_committed(self, txnid: int) -> None:
-        """The batch logged as ``txnid`` did not commit: `abort`, and if even that
-        fails, say so (the log refuses every later batch by then)."""
+        """The batch logged as ``txnid`` did not commit: log an abort marker, so that a
+        replay skips it; if even that fails, say so (the log refuses every later batch
+        by then)."""
         try:
-            self.abort(txnid)
+            self.append(txnid, [], _ABORT)
         except WalFailed:
             log.critical("storage: batch %d failed to commit after it was logged, and the "
                          "log could not record that", txnid)
 
-    def checkpoint_locked(self) -> None:
-        """`checkpoint` holding LMDB's writer lock (a write transaction, aborted after).
+    def checkpoint_locked(self, *, if_due: bool = False) -> None:
+        """`checkpoint` holding LMDB's writer lock (a write transaction, aborted after);
+        with ``if_due``, only if it is still due once the lock is held.
 
         Raises:
             WalFailed: see `checkpoint`.
         """
         txn = self._env.begin(write=True)
         try:
-            self.checkpoint()
+            if not if_due or self.due:
+                self.checkpoint()
         finally:
             txn.abort()
 
@@ -355,12 +356,7 @@ class Wal:
             return
         gate.enter_shared()
         try:
-            txn = self._env.begin(write=True)
-            try:
-                if self.due:  # a batch on the loop may have run it first
-                    self.checkpoint()
-            finally:
-                txn.abort()
+            self.checkpoint_locked(if_due=True)  # a batch on the loop may have run it first
         except WalFailed:
             log.exception("storage: a checkpoint failed (the next batch meets it)")
         finally:
@@ -422,14 +418,6 @@ class Wal:
         # Attributes, not properties: read once or twice a step.
         self.due = commits >= CHECKPOINT_COMMITS or end - self._start >= CHECKPOINT_BYTES
         self.preflush_due = commits - self._preflushed >= PREFLUSH_COMMITS
-
-    def abort(self, txnid: int) -> None:
-        """Log that the batch ``txnid`` just appended did not commit (replay skips it).
-
-        Raises:
-            WalFailed: the marker could not be made durable (the log is broken now).
-        """
-        self.append(txnid, [], _ABORT)
 
     def checkpoint(self) -> None:
         """Sync LMDB, record its meta pages and transaction id, start the log again,

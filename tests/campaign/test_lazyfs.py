@@ -295,33 +295,45 @@ print(int(values.pop()))
 """
 
 
-def test_lmdb_survives_torn_cuts_amid_commits(fs: LazyFS) -> None:
-    """stepd's LMDB settings, cut (torn: half the unsynced pages kept) while commits are in flight."""
+def _torn_rounds(fs: LazyFS, loop: str, verify: str, seed: int) -> tuple[int, int]:
+    """Eight rounds of: ``loop`` (a program printing each acknowledged commit) runs on the
+    mount, is SIGKILLed 0.3-0.8 s after its first acknowledgement, the power is cut torn
+    (half the unsynced pages kept), and ``verify`` prints the last commit on disk, which
+    must be at least the last acknowledged. Returns (cuts that found LMDB's file with
+    unsynced pages, the last acknowledged commit)."""
     import random
     import time
 
-    rng = random.Random(20261201)
+    rng = random.Random(seed)
     env_dir = fs.mountpoint / "env"
     amid = 0
     committed = -1
     for round_no in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", LMDB_LOOP, str(env_dir)],
+        proc = subprocess.Popen([sys.executable, "-c", loop, str(env_dir)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()  # open (and recovered): committing from here
             time.sleep(rng.uniform(0.3, 0.8))
         finally:
             os.kill(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate(timeout=30)
-        printed = [int(x) for x in out.split()]
+            out, err = proc.communicate(timeout=30)  # returns once the killed process is reaped
+        printed = [int(x) for x in (first + out).split()]
         assert printed, err
         committed = printed[-1]
         before = fs.cut(keep=0.5, seed=round_no)
         amid += before["files"].get("/env/data.mdb", {}).get("dirty_pages", 0) > 0
-        r = subprocess.run([sys.executable, "-c", LMDB_VERIFY, str(env_dir)],
+        r = subprocess.run([sys.executable, "-c", verify, str(env_dir)],
                            check=False, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
-        survived = int(r.stdout)  # the last transaction on disk: at least the last acknowledged
+        survived = int(r.stdout)  # the last commit on disk: at least the last acknowledged
         assert survived >= committed, (round_no, survived, committed)
+    return amid, committed
+
+
+def test_lmdb_survives_torn_cuts_amid_commits(fs: LazyFS) -> None:
+    """stepd's LMDB settings, cut (torn: half the unsynced pages kept) while commits are in flight."""
+    amid, committed = _torn_rounds(fs, LMDB_LOOP, LMDB_VERIFY, 20261201)
     print(f"lmdb torn cuts: 8 (amid a commit {amid}), last committed txn {committed}")
 
 
@@ -369,32 +381,6 @@ def test_the_write_ahead_log_survives_torn_cuts_amid_commits(fs: LazyFS) -> None
     meta page may reach the disk ahead of its pages, and pages of older snapshots are
     reused: recovery puts the checkpoint's metas back and replays the log
     (storage/_wal.py), so the last acknowledged batch is there and whole."""
-    import random
-    import time
-
-    rng = random.Random(20261202)
-    env_dir = fs.mountpoint / "env"
-    amid = 0
-    committed = -1
-    for round_no in range(8):
-        proc = subprocess.Popen([sys.executable, "-c", STORAGE_LOOP, str(env_dir)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()  # open (and recovered): committing from here
-            time.sleep(rng.uniform(0.3, 0.8))
-        finally:
-            os.kill(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate(timeout=30)
-        printed = [int(x) for x in (first + out).split()]
-        assert printed, err
-        committed = printed[-1]
-        before = fs.cut(keep=0.5, seed=round_no)
-        amid += before["files"].get("/env/data.mdb", {}).get("dirty_pages", 0) > 0
-        r = subprocess.run([sys.executable, "-c", STORAGE_VERIFY, str(env_dir)],
-                           check=False, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        survived = int(r.stdout)
-        assert survived >= committed, (round_no, survived, committed)
+    amid, committed = _torn_rounds(fs, STORAGE_LOOP, STORAGE_VERIFY, 20261202)
     assert amid > 0, "no cut caught LMDB's file with unsynced pages: the test saw no tearing"
     print(f"write-ahead log torn cuts: 8 (LMDB's file torn in {amid}), last acknowledged {committed}")

@@ -289,54 +289,45 @@ async def _check_all_there_with(data: Path, acknowledged: int, extra: int) -> No
     assert len(rows) == 8 + last + 1 + extra
 
 
-async def test_a_log_that_cannot_be_written_refuses_every_later_batch(tmp_path: Path) -> None:
-    """A failed append (here EBADF: the log's descriptor swapped for a read-only one)
-    fails its batch, and every batch after it: after a failed sync nothing may build
-    on what the disk holds. Nothing of those batches is visible."""
-    data = tmp_path / "db"
+async def _fails_for_good(data: Path, attr: str, name: str, flags: int, *,
+                          checkpoint: bool = False) -> None:
+    """Swap the log's descriptor ``attr`` for the file ``name`` opened with ``flags`` (a
+    real EBADF on the next use): the next write fails, and so does the one after the
+    good descriptor is back. Nothing of either is visible, then or after a reopen;
+    what was acknowledged before stays."""
     async with Storage.open(data) as storage:
         await storage.write(put_txn, "before", 1)
         wal = storage._writer._wal
         assert wal is not None
-        readonly = os.open(data / "wal", os.O_RDONLY)
-        writable, wal._fd = wal._fd, readonly
+        bad = os.open(data / name, flags)
+        good = getattr(wal, attr)
+        setattr(wal, attr, bad)
         try:
+            if checkpoint:
+                wal.due = True  # the next batch checkpoints first
             with pytest.raises(CommitFailed):
                 await storage.write(put_txn, "lost", 1)
-            wal._fd = writable  # even with a good descriptor back: refused
+            setattr(wal, attr, good)  # even with a good descriptor back: refused
             with pytest.raises(CommitFailed):
                 await storage.write(put_txn, "later", 1)
             assert storage.get("runs", "lost") is None and storage.get("runs", "later") is None
         finally:
-            wal._fd = writable
-            os.close(readonly)
+            setattr(wal, attr, good)
+            os.close(bad)
     async with Storage.open(data) as storage:
         assert storage.get("runs", "before") == 1
-        assert storage.get("runs", "lost") is None
+        assert storage.get("runs", "lost") is None and storage.get("runs", "later") is None
+
+
+async def test_a_log_that_cannot_be_written_refuses_every_later_batch(tmp_path: Path) -> None:
+    """A failed append (here EBADF: the log's descriptor swapped for a read-only one)
+    fails its batch, and every batch after it: after a failed sync nothing may build
+    on what the disk holds."""
+    await _fails_for_good(tmp_path / "db", "_fd", "wal", os.O_RDONLY)
 
 
 async def test_a_checkpoint_that_fails_refuses_every_later_batch(tmp_path: Path) -> None:
     """A checkpoint's own failure (here: LMDB's meta pages cannot be read back, EBADF
     on a write-only descriptor) is the log's failure too: the batch that ran it fails,
-    and so does every batch after it; what was acknowledged before stays."""
-    data = tmp_path / "db"
-    async with Storage.open(data) as storage:
-        await storage.write(put_txn, "before", 1)
-        wal = storage._writer._wal
-        assert wal is not None
-        writeonly = os.open(data / "data.mdb", os.O_WRONLY)
-        readable, wal._data_fd = wal._data_fd, writeonly
-        try:
-            wal.due = True  # the next batch checkpoints first
-            with pytest.raises(CommitFailed):
-                await storage.write(put_txn, "lost", 1)
-            wal._data_fd = readable
-            with pytest.raises(CommitFailed):
-                await storage.write(put_txn, "later", 1)
-            assert storage.get("runs", "lost") is None
-        finally:
-            wal._data_fd = readable
-            os.close(writeonly)
-    async with Storage.open(data) as storage:
-        assert storage.get("runs", "before") == 1
-        assert storage.get("runs", "lost") is None and storage.get("runs", "later") is None
+    and so does every batch after it."""
+    await _fails_for_good(tmp_path / "db", "_data_fd", "data.mdb", os.O_WRONLY, checkpoint=True)
