@@ -387,7 +387,8 @@ class Storage(StorageReads):
             StorageClosed: the storage is closing or closed.
             UsedAfterFork: called in a forked child.
         """
-        self._check_pid()
+        if _reads.FORKS != self._forks:  # the guard without a syscall, as `write`'s
+            self._check_pid()
         self._submit(Request(fn, args, None, self._clock()))
 
     def _submit(self, req: Request) -> None:

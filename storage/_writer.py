@@ -32,7 +32,7 @@ the moving average of the last commits exceeds ``INLINE_MAX_COMMIT_S``, not
 for ``INLINE_BACKOFF_S`` after a commit slower than ``INLINE_SLOW_S``, never
 for a batch of more than ``INLINE_MAX_BATCH`` requests, and never while the
 thread has work (under load every batch goes to the thread, which keeps
-batching). ``Storage.commit_on_loop = False`` turns it off (a test that holds
+batching) or checkpoints the log (`Writer._idle`). ``Storage.commit_on_loop = False`` turns it off (a test that holds
 the writer inside a request needs the thread).
 
 Outcomes are delivered only after the commit (or its failure), including a
@@ -169,6 +169,11 @@ class Writer(Batches):
         self._wake = threading.Lock()
         self._wake.acquire()
         self._sleeping = False  # the writer blocks (or is about to) on `_wake`
+        # The thread holds no batch: asleep, about to be, just woken, or keeping the
+        # log (`Wal.maintain`). `run_inline` asks this, not `_sleeping`: a thread
+        # woken only for upkeep may need the GIL for milliseconds (the loop holds
+        # it) before it sleeps again, and the loop's batches need not wait for that.
+        self._idle = False
         self._preflush = False  # `run_inline` asks the thread for `Wal.maintain`
         self._queue: collections.deque[Request] = collections.deque()
         self._awaited_queued = 0
@@ -282,7 +287,7 @@ class Writer(Batches):
             return False
         with self._mutex:
             queue = self._queue
-            if (not self._sleeping or self._awaited_queued or self._dead is not None
+            if (not self._idle or self._awaited_queued or self._dead is not None
                     or self._stopping or self._fail_next_commit is not None):
                 return False
             if queue:  # deferred writes the sleeping thread keeps for company: theirs first
@@ -319,8 +324,14 @@ class Writer(Batches):
                 batch = self._take()
                 if not batch:
                     return
-                self._execute(batch, self._post, self._taken_deferred)
+                outcomes: list[list[Request]] = []
+                self._execute(batch, outcomes.append, self._taken_deferred)
                 batch = []
+                with self._mutex:
+                    if not self._queue:  # idle before the outcomes go: the loop's next
+                        self._idle = True  # batch, made by them, may run on the loop
+                for done in outcomes:
+                    self._call_soon(self._deliver, done)
         except BaseException as exc:  # a bug: fail every waiter, then propagate
             log.critical("storage writer thread died", exc_info=True)
             with self._mutex:
@@ -364,6 +375,10 @@ class Writer(Batches):
                     return []
                 self._sleeping = True
                 preflush, self._preflush = self._preflush, False
+                # Not idle for a checkpoint: it holds LMDB's writer lock for a sync
+                # of LMDB's file (1-2 ms), which a batch on the loop would wait out
+                # blocking the loop; the thread runs that batch after it instead.
+                self._idle = not (preflush and self._wal.due)  # type: ignore[union-attr]
             if preflush:
                 # Counted as asleep meanwhile (batches may run on the loop): then
                 # settle the wake-up protocol as after a timed-out sleep.
@@ -383,6 +398,7 @@ class Writer(Batches):
 
     def _pop_batch(self) -> list[Request]:
         """Under ``_mutex``: take up to ``max_batch`` queued requests."""
+        self._idle = False
         queue = self._queue
         if len(queue) <= self._max_batch:  # the usual case: take it all
             batch = list(queue)
@@ -395,10 +411,6 @@ class Writer(Batches):
         self._awaited_queued -= len(batch) - deferred
         self._taken_deferred = deferred
         return batch
-
-    def _post(self, batch: list[Request]) -> None:
-        """The thread's way to deliver: one callback on the event loop."""
-        self._call_soon(self._deliver, batch)
 
     def _execute(self, batch: list[Request], done: Callable[[list[Request]], None],
                  deferred: int) -> None:
