@@ -75,7 +75,11 @@ class ReadTxn:
         Raises:
             UnknownTable: ``table`` was not declared.
         """
-        return self._live().get(to_key(key), db=self._db(table))
+        txn = self._txn  # `get`'s fast path: a str key in a declared table
+        db = self._dbs.get(table)
+        if txn is None or db is None or type(key) is not str:
+            return self._live().get(to_key(key), db=self._db(table))
+        return txn.get(key.encode(), db=db)
 
     def get(self, table: str, key: Key) -> object | None:
         """Return the decoded value under ``key``, or ``None`` if absent.
@@ -196,9 +200,16 @@ class WriteTxn(ReadTxn):
             UnknownTable: ``table`` was not declared.
             lmdb.BadValsizeError: the key is empty or too long.
         """
-        txn = self._live()
-        db = self._db(table)
-        raw = to_key(key)
+        # `_live`, `_db` and `to_key` spelled out for a str key in a declared table
+        # (a run record a step); anything unusual takes them for their errors.
+        txn = self._txn
+        db = self._dbs.get(table)
+        if txn is None or db is None or type(key) is not str:
+            txn = self._live()
+            db = self._db(table)
+            raw = to_key(key)
+        else:
+            raw = key.encode()
         try:
             done = txn.put(raw, value, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
