@@ -32,8 +32,9 @@ the moving average of the last commits exceeds ``INLINE_MAX_COMMIT_S``, not
 for ``INLINE_BACKOFF_S`` after a commit slower than ``INLINE_SLOW_S``, never
 for a batch of more than ``INLINE_MAX_BATCH`` requests, and never while the
 thread has work (under load every batch goes to the thread, which keeps
-batching) or checkpoints the log (`Writer._idle`). ``Storage.commit_on_loop = False`` turns it off (a test that holds
-the writer inside a request needs the thread).
+batching) or checkpoints the log (`Writer._idle`). ``Storage.commit_on_loop =
+False`` turns it off (a test that holds the writer inside a request needs the
+thread).
 
 Outcomes are delivered only after the commit (or its failure), including a
 request's own exception: an answer may depend on state a batch-mate wrote,

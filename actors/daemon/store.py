@@ -113,8 +113,8 @@ _CONFLICTS: dict[str, type[Conflict]] = {
 }
 _TERMINAL_VALUES = frozenset(s.value for s in TERMINAL_STATUSES)
 
-_GUARD_MEMO: dict[str, tuple[bytes, bool, dict[str, int]]] = {}
-"""What the lease guard needs of a run record (terminal?, its fences), by run id, with
+_GUARD_MEMO: dict[str, tuple[bytes, dict[str, int]]] = {}
+"""What the lease guard needs of a run record (its fences; it is not ended), by run id, with
 the exact bytes it was read from: the record this process last wrote for the run.
 The guard reads the record's stored bytes and uses the memo only when they are
 the same bytes, so it still judges from the durable record alone (STYLE.md rule
@@ -269,7 +269,7 @@ def _memo(run_id: str, raw: bytes, record: dict[str, Any]) -> None:
         _guard_memo_size = 0
     fences = record.get("fences")
     # A copy: the record shares `fences` with the live machine (see `RunWrite.record_raw`).
-    memo[run_id] = (raw, False, dict(fences) if fences else {})
+    memo[run_id] = (raw, dict(fences) if fences else {})
     _guard_memo_size += len(raw)
 
 
@@ -280,7 +280,7 @@ def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
         raise Fenced(f"lease {guard.lease_id} is not on record")
     known = _GUARD_MEMO.get(run_id)
     if known is not None and known[0] == run_bytes:  # the durable bytes, compared whole
-        terminal, fences = known[1], known[2]
+        terminal, fences = False, known[1]  # ended runs are never kept
     else:
         run_raw = decode(run_bytes)
         if not isinstance(run_raw, dict):

@@ -63,12 +63,12 @@ async def test_the_guard_follows_the_stored_bytes_when_they_differ_from_the_memo
     async with Storage.open(tmp_path / "db", extra_tables=store.EXTRA_TABLES) as storage:
         await storage.write(lambda txn: txn.put(store.LEASES, LEASE, _lease(1)))
         await storage.write(store.apply_txn, _write(_record(fence=1)))
-        assert memo[RUN][2] == {"s": 1}  # the memo holds fence 1 for the slot
+        assert memo[RUN][1] == {"s": 1}  # the memo holds fence 1 for the slot
         # The memo's record is on record: the guarded write passes.
         await storage.write(store.apply_txn, _write(_record(fence=1), guarded=True))
         # A later attempt (fence 2) lands without apply_txn: the memo still says 1.
         await storage.write(_behind_its_back, _record(fence=2))
-        assert memo[RUN][2] == {"s": 1}
+        assert memo[RUN][1] == {"s": 1}
         with pytest.raises(Fenced):
             await storage.write(store.apply_txn, _write(_record(fence=1), guarded=True))
         # The same for a run that ended behind the memo's back.
@@ -87,7 +87,7 @@ async def test_the_memo_does_not_share_the_machine_s_fences(
         record = _record(fence=1)
         await storage.write(store.apply_txn, _write(record))
         record["fences"]["s"] = 2  # the live machine moves on; nothing is written yet
-        assert memo[RUN][2] == {"s": 1}
+        assert memo[RUN][1] == {"s": 1}
         await storage.write(store.apply_txn, _write(_record(fence=1), guarded=True))
 
 
