@@ -182,6 +182,16 @@ def rows(page: Any) -> list[str]:
         "trs => trs.map(tr => tr.dataset.run)"))
 
 
+def cleared_form(page: Any) -> None:
+    """Wait until the runs page shows its unfiltered form. A filter submits the form it
+    sits in, whole: acting on the page before the old form is replaced would carry
+    its filters (a workflow, an idempotency key) into the new query."""
+    page.wait_for_function(
+        "() => location.hash === '#/runs' && [...document.querySelectorAll("
+        "'form input[name], form select[name]')].every(e => e.value === '')",
+        timeout=TIMEOUT_MS)
+
+
 def wait_rows(page: Any, predicate: Any, what: str) -> list[str]:
     deadline = time.monotonic() + TIMEOUT_MS / 1000
     while True:
@@ -238,12 +248,14 @@ def test_runs_newest_first_with_filters_and_live_counts(browser: Any, world: Wor
     assert "workflow=console-demo" in page.url
     # ... status (a select applies at once) ...
     page.locator("a[href='#/runs']", has_text="Clear").click()
+    cleared_form(page)
     page.locator("select[name=status]").select_option("failed")
     wait_rows(page, lambda r: r == [world.evil_failed], "status filter")
     # ... idempotency key, correlation (JSON), time range.
     goto(page, "#/runs?key=ticket%3A2")
     wait_rows(page, lambda r: r == [world.demo_runs[2]], "idempotency key filter")
     goto(page, "#/runs")
+    cleared_form(page)
     page.locator("input[name=correlation]").fill('{"ticket": 1}')
     page.get_by_role("button", name="Apply").click()
     wait_rows(page, lambda r: r == [world.demo_runs[1]], "correlation filter")
