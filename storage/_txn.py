@@ -75,11 +75,16 @@ class ReadTxn:
         Raises:
             UnknownTable: ``table`` was not declared.
         """
-        txn = self._txn  # `get`'s fast path: a str key in a declared table
+        # `_live`, `_db` and `to_key` spelled out for a str or bytes key in a declared
+        # table (a run's write reads its lease and run records); anything unusual
+        # takes them for their errors.
+        txn = self._txn
         db = self._dbs.get(table)
-        if txn is None or db is None or type(key) is not str:
+        if type(key) is str:
+            key = key.encode()
+        if txn is None or db is None or type(key) is not bytes:
             return self._live().get(to_key(key), db=self._db(table))
-        return txn.get(key.encode(), db=db)
+        return txn.get(key, db=db)
 
     def get(self, table: str, key: Key) -> object | None:
         """Return the decoded value under ``key``, or ``None`` if absent.
@@ -89,16 +94,7 @@ class ReadTxn:
         Raises:
             UnknownTable: ``table`` was not declared.
         """
-        # `get_raw` spelled out on the hot path (a run's write reads its lease and
-        # run records); anything unusual takes `get_raw` for its errors.
-        txn = self._txn
-        db = self._dbs.get(table)
-        if type(key) is str:  # `to_key`, inlined: run and lease ids are str
-            key = key.encode()
-        if txn is None or db is None or type(key) is not bytes:
-            raw = self.get_raw(table, key)
-        else:
-            raw = txn.get(key, db=db)
+        raw = self.get_raw(table, key)
         return None if raw is None else decode(raw)
 
     def exists(self, table: str, key: Key) -> bool:
@@ -200,23 +196,23 @@ class WriteTxn(ReadTxn):
             UnknownTable: ``table`` was not declared.
             lmdb.BadValsizeError: the key is empty or too long.
         """
-        # `_live`, `_db` and `to_key` spelled out for a str key in a declared table
-        # (a run record a step); anything unusual takes them for their errors.
+        # `_live`, `_db` and `to_key` spelled out for a str or bytes key in a declared
+        # table (~9 puts a step); anything unusual takes them for their errors.
         txn = self._txn
         db = self._dbs.get(table)
-        if txn is None or db is None or type(key) is not str:
+        raw = key.encode() if type(key) is str else key
+        if txn is None or db is None or type(raw) is not bytes:
             txn = self._live()
             db = self._db(table)
             raw = to_key(key)
-        else:
-            raw = key.encode()
         try:
             done = txn.put(raw, value, overwrite=overwrite, db=db)
         except lmdb.MapFullError:
             self._on_map_full()
             raise
-        if done and self._log is not None:
-            self._log.append((0, table, raw, value, overwrite))
+        log = self._log
+        if done and log is not None:
+            log.append((0, table, raw, value, overwrite))
         return done
 
     def put(self, table: str, key: Key, value: object, *, overwrite: bool = True) -> bool:
@@ -232,22 +228,7 @@ class WriteTxn(ReadTxn):
             data = _codec_local.packer.pack(value)
         except AttributeError:
             data = encode(value)
-        # `put_raw` spelled out on the hot path (~9 puts a step, each 4 calls
-        # there); anything unusual takes `put_raw` for its errors.
-        txn = self._txn
-        db = self._dbs.get(table)
-        if txn is None or db is None:
-            return self.put_raw(table, key, data, overwrite=overwrite)
-        try:
-            raw = key if type(key) is bytes else key.encode() if type(key) is str else to_key(key)
-            done = txn.put(raw, data, overwrite=overwrite, db=db)
-        except lmdb.MapFullError:
-            self._on_map_full()
-            raise
-        log = self._log
-        if done and log is not None:
-            log.append((0, table, raw, data, overwrite))
-        return done
+        return self.put_raw(table, key, data, overwrite=overwrite)
 
     def delete(self, table: str, key: Key) -> bool:
         """Delete ``key``; return whether it existed.

@@ -280,30 +280,27 @@ def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
         raise Fenced(f"lease {guard.lease_id} is not on record")
     known = _GUARD_MEMO.get(run_id)
     if known is not None and known[0] == run_bytes:  # the durable bytes, compared whole
-        terminal, fences = False, known[1]  # ended runs are never kept
+        reason = _reason(lease_raw, False, known[1], guard.op)  # ended runs are never kept
     else:
         run_raw = decode(run_bytes)
         if not isinstance(run_raw, dict):
             raise Fenced(f"lease {guard.lease_id} is not on record")
-        terminal = run_raw["status"] in _TERMINAL_VALUES
-        fences = run_raw.get("fences") or {}
-    lease = LeaseRecord.from_dict(lease_raw)
-    reason = reject_reason(lease, guard.op, run_terminal=terminal,
-                           current_fence=fences.get(slot_key(lease.step_id, lease.item_index)))
+        reason = durable_reason(lease_raw, run_raw, guard.op)
     if reason is not None:
         raise _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
 
 
 def durable_reason(lease_raw: dict[str, Any], run_raw: dict[str, Any], op: Op) -> str | None:
     """The 409 reason for `op` on a lease, judged from the durable records alone."""
+    return _reason(lease_raw, run_raw["status"] in _TERMINAL_VALUES,
+                   run_raw.get("fences") or {}, op)
+
+
+def _reason(lease_raw: dict[str, Any], run_terminal: bool, fences: dict[str, int],
+            op: Op) -> str | None:
     lease = LeaseRecord.from_dict(lease_raw)
-    fences = run_raw.get("fences") or {}
-    return reject_reason(
-        lease,
-        op,
-        run_terminal=run_raw["status"] in _TERMINAL_VALUES,
-        current_fence=fences.get(slot_key(lease.step_id, lease.item_index)),
-    )
+    return reject_reason(lease, op, run_terminal=run_terminal,
+                         current_fence=fences.get(slot_key(lease.step_id, lease.item_index)))
 
 
 def count_crash_txn(txn: WriteTxn, run_id: str, at_ms: int, error: str, period_ms: int,
