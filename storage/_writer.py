@@ -381,8 +381,8 @@ class Writer(Batches):
                 # blocking the loop; the thread runs that batch after it instead.
                 self._idle = not (preflush and self._wal.due)  # type: ignore[union-attr]
             if preflush:
-                # Counted as asleep meanwhile (batches may run on the loop): then
-                # settle the wake-up protocol as after a timed-out sleep.
+                # Counted as asleep meanwhile, and as idle unless it checkpoints
+                # (above): then settle the wake-up protocol as after a timed-out sleep.
                 self._wal.maintain(self._gate)  # type: ignore[union-attr]  # asked with a log only
                 with mutex:
                     if self._sleeping:
