@@ -135,7 +135,9 @@ def test_a_stopping_worker_takes_no_new_lease(stack: Stack) -> None:
     # to another worker. WebSocket credit cannot be taken back by a frame: the
     # worker closes the connection (its push session hands unoffered slots back)
     # and reconnects without credit; a lease pushed before that is handed back
-    # as unservable (no retry budget spent), never run and never dropped.
+    # as unservable (no retry budget spent), never run and never dropped. A lease
+    # offered to it as its connection closes, before the push, is released by the
+    # daemon instead (`step_recovered`, released, not started): no budget spent either.
     name = unique("late")
     running = threading.Event()
     release = threading.Event()
@@ -170,8 +172,12 @@ def test_a_stopping_worker_takes_no_new_lease(stack: Stack) -> None:
     offered_to_first = [e for e in events
                         if e["type"] == "step_offered" and e["worker_id"] == first.worker_id]
     unservable = [e for e in events if e["type"] == "step_unservable"]
-    assert len(unservable) == len(offered_to_first)
+    released = [e for e in events if e["type"] == "step_recovered" and e["released"]
+                and not e["started"]]
+    assert sorted(e["lease_id"] for e in unservable + released) == \
+        sorted(e["lease_id"] for e in offered_to_first)
     assert all("is stopping" in e["message"] for e in unservable)
+    assert {e["attempt"] for e in events if e["type"] == "step_offered"} == {1}
 
 
 def test_spans_roll_usage_up_into_the_step_and_the_run(stack: Stack) -> None:
