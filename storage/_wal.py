@@ -15,7 +15,7 @@ it, and only then commits the LMDB transaction; outcomes are delivered after
 both, as before. Readers see a batch only once it is durable.
 
 A checkpoint (`Wal.checkpoint`, every `CHECKPOINT_COMMITS` commits or
-`CHECKPOINT_BYTES` of log) syncs the LMDB file and records, in the log's
+`CHECKPOINT_BYTES` of records) syncs the LMDB file and records, in the log's
 header, a copy of LMDB's two meta pages as they are on disk then; the log
 starts again after it. Between checkpoints LMDB's own files may be torn by a
 power cut (without sync, a meta page can reach the disk before its pages, and
@@ -71,15 +71,19 @@ WAL_FILE = "wal"
 DATA_FILE = "data.mdb"
 
 #: A checkpoint after this many commits since the last one...
-CHECKPOINT_COMMITS = 64
-#: ...or this many bytes of log. Both bound how many pages LMDB cannot reuse
-#: while the pin holds the last checkpoint's snapshot (the file grows by at most
-#: that many pages' worth before the next checkpoint frees them).
+CHECKPOINT_COMMITS = 1024
+#: ...or this many bytes of records (their own length: each also starts on a page
+#: of its own, so the log file holds at most ``CHECKPOINT_COMMITS`` pages more).
+#: The bytes bound how many pages LMDB cannot reuse while the pin holds the last
+#: checkpoint's snapshot (the file grows by about that many pages' worth before
+#: the next checkpoint frees them); the commits bound the log a restart replays.
 CHECKPOINT_BYTES = 256 << 10
-#: Every this many commits the writer thread syncs LMDB's file on its own
-#: (`Wal.preflush`, no lock held): the checkpoint's sync, under LMDB's writer lock
-#: and in some step's way, then has only the last few commits' pages to write.
-PREFLUSH_COMMITS = CHECKPOINT_COMMITS // 4
+#: Halfway to a checkpoint (in commits or bytes) the writer thread syncs LMDB's
+#: file on its own (`Wal.preflush`, no lock held): the checkpoint's sync, under
+#: LMDB's writer lock and in some step's way, then has only half an interval's
+#: pages to write. Once an interval: every sync of LMDB's file is one more device
+#: flush beside the log's, which the steps' commits wait behind.
+PREFLUSH_FRACTION = 2
 #: The log region's preallocated size (zeros written and synced at creation).
 LOG_BYTES = 2 << 20
 
@@ -307,10 +311,11 @@ class Wal:
             self._extend(self._start + LOG_BYTES)
         self._offset = self._start
         self._commits = 0
-        self._preflushed = 0
+        self._logged = 0  # bytes of records since the checkpoint (`CHECKPOINT_BYTES`)
+        self._preflushed = False
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         #: A checkpoint is due (the writer checks at a batch's start), or a
-        #: `preflush` (every `PREFLUSH_COMMITS` commits); set by `append`.
+        #: `preflush` (halfway to the checkpoint); set by `append`.
         self.due = self.preflush_due = False
         self.checkpoints = 0
         self.appends = 0
@@ -364,7 +369,7 @@ class Wal:
 
     def preflush_asked(self) -> None:
         """The writer asked its thread for a `preflush` (or the due checkpoint)."""
-        self._preflushed = self._commits
+        self._preflushed = True
         self.preflush_due = False
 
     def preflush(self) -> None:
@@ -414,10 +419,13 @@ class Wal:
             raise WalFailed(f"the write-ahead log failed: {exc!r}") from exc
         self._offset = end
         commits = self._commits = self._commits + 1
+        logged = self._logged = self._logged + n
         self.appends += 1
         # Attributes, not properties: read once or twice a step.
-        self.due = commits >= CHECKPOINT_COMMITS or end - self._start >= CHECKPOINT_BYTES
-        self.preflush_due = commits - self._preflushed >= PREFLUSH_COMMITS
+        self.due = commits >= CHECKPOINT_COMMITS or logged >= CHECKPOINT_BYTES
+        self.preflush_due = not self._preflushed and (
+            commits * PREFLUSH_FRACTION >= CHECKPOINT_COMMITS
+            or logged * PREFLUSH_FRACTION >= CHECKPOINT_BYTES)
 
     def checkpoint(self) -> None:
         """Sync LMDB, record its meta pages and transaction id, start the log again,
@@ -451,7 +459,8 @@ class Wal:
         self._gen_crc = zlib.crc32(_GEN.pack(gen))
         self._offset = self._start
         self._commits = 0
-        self._preflushed = 0
+        self._logged = 0
+        self._preflushed = False
         self.due = self.preflush_due = False
         self.checkpoints += 1
         pin = env.begin()

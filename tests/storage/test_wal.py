@@ -102,13 +102,35 @@ async def test_each_batch_is_one_log_append_and_a_clean_close_leaves_nothing_to_
         assert [storage.get("runs", f"k{i}") for i in range(5)] == list(range(5))
 
 
-async def test_checkpoints_come_every_so_many_commits(tmp_path: Path) -> None:
+async def test_checkpoints_come_every_so_many_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wal_module, "CHECKPOINT_COMMITS", 64)  # 1,024 by default: a slow test
     async with Storage.open(tmp_path / "db") as storage:
-        for i in range(wal_module.CHECKPOINT_COMMITS * 2 + 1):
+        for i in range(64 * 2 + 1):
             await storage.write(put_txn, f"k{i}", i)
         stats = storage.statistics()
-    assert stats.log_appends == wal_module.CHECKPOINT_COMMITS * 2 + 1
+    assert stats.log_appends == 64 * 2 + 1
     assert stats.checkpoints == 3  # at open, then after each CHECKPOINT_COMMITS
+
+
+async def test_checkpoints_come_every_so_many_bytes_of_records_not_of_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes that bound an interval are the records' own: each record also starts
+    on a page of its own, and that padding must not make small commits checkpoint
+    often (a sequential step's record is ~2.5 KB: a page each would checkpoint every
+    64 steps, and each checkpoint syncs LMDB's file)."""
+    monkeypatch.setattr(wal_module, "CHECKPOINT_BYTES", 64 << 10)
+    async with Storage.open(tmp_path / "db") as storage:
+        for i in range(40):  # 40 pages of log (160 KiB), a few KiB of records
+            await storage.write(put_txn, f"small{i}", i)
+        assert storage.statistics().checkpoints == 1  # the open's only
+        big = "." * 10_000
+        for i in range(6):  # 60 KB more: not yet 64 KiB
+            await storage.write(put_txn, f"big{i}", big)
+        assert storage.statistics().checkpoints == 1
+        await storage.write(put_txn, "big6", big)  # over: due at the next batch
+        await storage.write(put_txn, "next", 0)
+        assert storage.statistics().checkpoints == 2
 
 
 # --------------------------------------------------------------------------- recovery
