@@ -30,7 +30,8 @@ log = logging.getLogger("stepd.storage")
 class Request:
     """One queued write: ``fn(txn, *args)`` and where its outcome goes."""
 
-    __slots__ = ("args", "deferred", "enqueued_at", "error", "fn", "value", "waiter")
+    __slots__ = ("args", "deferred", "enqueued_at", "error", "fn", "taken", "value", "waiter",
+                 "withdrawn")
 
     def __init__(
         self,
@@ -46,6 +47,10 @@ class Request:
         self.enqueued_at = enqueued_at
         self.value: Any = None
         self.error: BaseException | None = None
+        # A batch took it (set under the writer's queue lock, or on the loop by the
+        # batch that runs it there): `Storage.withdraw` can no longer take it back.
+        self.taken = False
+        self.withdrawn = False  # taken back before any batch took it: runs as a no-op
 
 
 class _MapFull(Exception):
@@ -168,8 +173,10 @@ class Batches:
             for req in batch:
                 req.value = None
                 req.error = None
+                if req.withdrawn:  # its content rides a later write (`Storage.withdraw`)
+                    continue
                 child = env.begin(write=True, parent=txn)
-                wtxn = WriteTxn(child, self._dbs, on_map_full, ops)
+                wtxn = WriteTxn(child, self._dbs, on_map_full, ops, env)
                 mark = 0 if ops is None else len(ops)
                 try:
                     value = req.fn(wtxn, *req.args)

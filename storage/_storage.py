@@ -372,7 +372,8 @@ class Storage(StorageReads):
             raise req.error
         return req.value  # type: ignore[no-any-return]
 
-    def write_deferred(self, fn: Callable[[WriteTxn, Unpack[Ts]], object], *args: *Ts) -> None:
+    def write_deferred(self, fn: Callable[[WriteTxn, Unpack[Ts]], object], *args: *Ts
+                       ) -> Request:
         """Queue ``fn(txn, *args)`` as a write that nobody awaits.
 
         It is ordered after every write submitted before it and before every
@@ -383,13 +384,33 @@ class Storage(StorageReads):
         ``on_deferred_error``. The same purity rule as :meth:`write` applies.
         Thread-safe.
 
+        Returns:
+            A handle for `withdraw` (nothing else of it is for the caller).
+
         Raises:
             StorageClosed: the storage is closing or closed.
             UsedAfterFork: called in a forked child.
         """
         if _reads.FORKS != self._forks:  # the guard without a syscall, as `write`'s
             self._check_pid()
-        self._submit(Request(fn, args, None, self._clock()))
+        req = Request(fn, args, None, self._clock())
+        self._submit(req)
+        return req
+
+    def withdraw(self, handle: Request) -> bool:
+        """Take back a deferred write (`write_deferred`'s handle) that no batch took yet.
+
+        True: it will never run; the caller owns its content again and must
+        write it itself, in a later write (which then holds it in that later
+        place in the order: withdraw only what nothing submitted in between
+        depends on). False: a batch took it (it committed, or will, in its
+        place). A run actor folds its deferred offer into the `complete` that
+        follows it this way, one write where there were two (docs/storage.md).
+        Loop thread only, as `write` is.
+        """
+        if handle.taken:
+            return False
+        return self._writer.withdraw(handle)
 
     def _submit(self, req: Request) -> None:
         """Queue a request for the writer.

@@ -19,7 +19,7 @@ the same helper serves a read and a write transaction.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -27,6 +27,8 @@ from ._codec import _local as _codec_local
 from ._codec import decode, encode
 from ._errors import UnknownTable
 from ._keys import Key, journal_key, journal_prefix, parse_u64be, prefix_end, to_key
+
+T = TypeVar("T")
 
 __all__ = ["ReadTxn", "WriteTxn", "journal_txn", "last_journal_seq_txn"]
 
@@ -161,7 +163,7 @@ class ReadTxn:
 class WriteTxn(ReadTxn):
     """Reads and writes inside the writer's (nested) write transaction."""
 
-    __slots__ = ("_log", "_on_map_full")
+    __slots__ = ("_env", "_log", "_on_map_full")
 
     def __init__(
         self,
@@ -169,9 +171,11 @@ class WriteTxn(ReadTxn):
         dbs: Mapping[str, lmdb._Database],
         on_map_full: Callable[[], None],
         log: list[tuple[Any, ...]] | None = None,
+        env: lmdb.Environment | None = None,
     ) -> None:
         self._txn = txn  # `ReadTxn.__init__`, spelled out: one per write request
         self._dbs = dbs
+        self._env = env  # for `savepoint`
         # Called when LMDB reports the map full, so the writer grows the map
         # and re-runs the batch even if the request function swallows the error.
         self._on_map_full = on_map_full
@@ -229,6 +233,41 @@ class WriteTxn(ReadTxn):
         except AttributeError:
             data = encode(value)
         return self.put_raw(table, key, data, overwrite=overwrite)
+
+    def savepoint(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(self, *args)`` in a transaction nested in this one.
+
+        If it raises, its changes alone are rolled back (in LMDB and in what the
+        write-ahead log will hold) and the exception propagates: what this
+        request wrote before stands, and it may go on. A map that fills up
+        inside still re-runs the whole batch (the writer hears of it either way).
+
+        Raises:
+            Exception: whatever ``fn`` raised, after the rollback.
+            RuntimeError: this transaction cannot nest (made without its environment).
+        """
+        outer = self._live()
+        if self._env is None:
+            raise RuntimeError("this WriteTxn was made without its environment: no savepoint")
+        log = self._log
+        mark = 0 if log is None else len(log)
+        child = self._env.begin(write=True, parent=outer)
+        self._txn = child
+        try:
+            value = fn(self, *args)
+        except BaseException:
+            self._txn = outer
+            child.abort()
+            if log is not None:
+                del log[mark:]
+            raise
+        self._txn = outer
+        try:
+            child.commit()
+        except lmdb.MapFullError:
+            self._on_map_full()
+            raise
+        return value
 
     def delete(self, table: str, key: Key) -> bool:
         """Delete ``key``; return whether it existed.

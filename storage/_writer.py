@@ -232,6 +232,14 @@ class Writer(Batches):
                 self._sleeping = False
                 self._wake.release()
 
+    def withdraw(self, req: Request) -> bool:
+        """Take back `req` if no batch took it yet (see `Storage.withdraw`)."""
+        with self._mutex:
+            if req.taken:
+                return False
+            req.withdrawn = True
+            return True
+
     def fail_next_commit(self, exc: BaseException) -> None:
         """Test hook: the next batch to start fails at its commit with ``exc``.
 
@@ -297,6 +305,8 @@ class Writer(Batches):
                 deferred += len(queue)
                 requests = [*queue, *requests]
                 queue.clear()
+        for r in requests:  # on the loop, as `Storage.withdraw` is: no lock needed
+            r.taken = True
         self._inline_batches += 1
         try:
             self._execute(requests, self._deliver, deferred)
@@ -409,6 +419,7 @@ class Writer(Batches):
         deferred = 0
         for r in batch:
             deferred += r.deferred
+            r.taken = True  # under the lock `Storage.withdraw` takes
         self._awaited_queued -= len(batch) - deferred
         self._taken_deferred = deferred
         return batch
