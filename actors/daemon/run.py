@@ -350,9 +350,9 @@ class RunActor(RunOffers):
             tr = self.machine.handle(msg.event, now)  # Conflict: nothing changed
         except Conflict:
             if before is not None:  # what did apply is written behind, as a `started` is
-                self.s.storage.write_deferred(store.apply_txn, store.deferred(self._write(
+                self._write_behind(self._write(
                     before, leases=[dict(msg.lease, status=LeaseStatus.STARTED.text,
-                                         ended_at=None, call=None)])))
+                                         ended_at=None, call=None)]), trace=False)
                 self._arm()
             if self._landed(msg):
                 return None  # this very call landed before an incarnation died under it

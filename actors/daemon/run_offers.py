@@ -100,7 +100,9 @@ class RunOffers(RunWrites):
                 leases.append(offer[3].to_dict())
         w = self._write(tr, **extra)
         try:
-            await self.s.storage.write(store.apply_txn, w)
+            done = await self.s.storage.write(store.apply_txn, self._take_behind(w))
+            if type(done) is store.Refused:  # a merged write's guard (`store.merge`)
+                raise done.exc
         except BaseException:
             if ahead:
                 self._hand_over(ahead, on_record=self._on_record(ahead[0]))

@@ -80,6 +80,9 @@ class RunWrites(Actor):
         self._status = ""  # the status as counted in stats.status_counts
         self._created: list[str] = []  # runs the last write created (children, grandchildren)
         self._due = peers.DueTimer()
+        # The last deferred write (`_write_behind`) and its storage handle, while the
+        # next write of this run may still take it in (`_take_behind`).
+        self._behind: tuple[Any, store.RunWrite] | None = None
 
     def _write(self, tr: Transition, **extra: Any) -> store.RunWrite:
         m = self.machine
@@ -128,17 +131,48 @@ class RunWrites(Actor):
             self._status = status
         return w
 
-    def _write_behind(self, w: store.RunWrite) -> None:
+    def _write_behind(self, w: store.RunWrite, *, trace: bool = True) -> None:
         """Queue a write nobody awaits (an offer the registry's queue made, an
         at_least_once `started`).
 
-        The trace sink hears of it now: it only notes the attempt's start, and
-        exports nothing until a later write of this run ends the attempt,
-        which is committed after this one (the storage keeps submission order).
+        The trace sink hears of it now (`trace`): it only notes the attempt's
+        start, and exports nothing until a later write of this run ends the
+        attempt, which is committed after this one (the storage keeps
+        submission order, and a write that takes this one in holds it first).
         """
-        self.s.storage.write_deferred(store.apply_txn, store.deferred(w))
-        if self.s.trace is not None:
+        # Not taken into this one: a deferred write's failure is reported on its own
+        # (`on_deferred_error`), which a merged one's `store.Refused` would not be.
+        # The earlier one stays queued ahead of this, in order.
+        store.deferred(w)
+        handle = self.s.storage.write_deferred(store.apply_txn, w)
+        self._behind = (handle, w) if store.mergeable(w) else None
+        if trace and self.s.trace is not None:
             self.s.trace.committed(w)
+
+    def _take_behind(self, w: store.RunWrite) -> store.RunWrite:
+        """`w`, the run's next write, with its last deferred write taken in if no
+        batch took that one yet: one write where there were two.
+
+        Under load, a queued slot's offer is written behind and the worker's
+        `complete` follows before the writer thread got to it (B: 3,000 of 7,000
+        writes were offers). Taking it back and writing it first in `w`'s place
+        is safe: nothing of another run depends on it (the worker's calls reach
+        this actor, and `_ensure_leases` waits for what is on record), and it
+        commits in the same batch it would have. Every write of this run passes
+        here, or queues behind it, so no write of this run falls between the two.
+        Call it right before `w` is submitted and awaited, with no await between:
+        a deferred write taken back is lost if `w` is not written. If `w`'s own
+        part fails, the deferred one is written alone (`store.apply_txn`).
+        """
+        behind = self._behind
+        if behind is None:
+            return w
+        self._behind = None
+        handle, old = behind
+        if not self.s.storage.withdraw(handle):
+            return w
+        self.s.stats.writes_merged += 1
+        return store.merge(old, w)
 
     def _arm(self) -> None:
         self._arm_at(self.machine.next_deadline())

@@ -96,6 +96,9 @@ class DaemonStats:
     runs_started: int = 0
     runs_ended: int = 0
     leases_offered: int = 0
+    #: Deferred run writes (an offer, a `started`) taken back before any batch took
+    #: them and written in their run's next write instead (`RunWrites._take_behind`).
+    writes_merged: int = 0
     #: Finished runs deleted by retention or `prune_runs`.
     runs_pruned: int = 0
     #: Runs by status, kept current by every transition.

@@ -113,7 +113,8 @@ async def create(s: Services, machine: RunMachine, tr: Any, now: int,
     )
     s.creating[run_id] = 0
     try:
-        existing: str | None = await s.storage.write(store.apply_txn, w)
+        existing = await s.storage.write(store.apply_txn, w)
+        assert not isinstance(existing, store.Refused)  # a create has no guard to refuse
         if existing is not None:
             # The key was taken: nothing of `w` was written, its children neither
             # (`child_writes` counted them started when it made them).

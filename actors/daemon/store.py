@@ -84,6 +84,7 @@ __all__ = [
     "WORKERS",
     "WORK_SESSIONS",
     "LeaseGuard",
+    "Refused",
     "RunWrite",
     "apply_txn",
     "audit_only_txn",
@@ -99,6 +100,8 @@ __all__ = [
     "lease_and_run_txn",
     "live_leases_txn",
     "load_run_txn",
+    "merge",
+    "mergeable",
     "run_is_terminal",
 ]
 
@@ -171,15 +174,80 @@ class RunWrite:
     # sequence number: written in the same transaction, its target the run (for a
     # start whose `dispatch_key` was taken: the existing run, status 200).
     audit: tuple[AuditEntry, int] | None = None
+    # Set by `deferred`: the record's fences (a copy) and whether it had ended, as
+    # of this write. A later guarded write that takes this one in (`merged`)
+    # judges its lease call on them, as it would on this write's durable record.
+    fences_then: dict[str, int] | None = None
+    terminal_then: bool = False
+    # The deferred write of the same run this one took in (`merge`), when this
+    # one has a guard: what is written alone if the guard refuses.
+    merged: RunWrite | None = None
 
 
-def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """`apply_txn`'s answer when a merged write's own part raised `exc` (its guard
+    refused the call, or it could not be written): that part was rolled back and
+    the deferred write it had taken in was written alone, as it would have been
+    on its own. `_commit` raises `exc`."""
+
+    exc: Exception
+
+
+def mergeable(w: RunWrite) -> bool:
+    """Whether a deferred write (`deferred`) may be taken into the next write of its
+    run: only an offer's or a `started`'s shape (its record, journal and lease
+    records), nothing that creates, ends leases, tells other runs or audits."""
+    return not (w.create or w.guard is not None or w.children or w.inbox or w.inbox_done
+                or w.lease_status or w.audit is not None or w.merged is not None
+                or w.fences_then is None)
+
+
+def merge(old: RunWrite, new: RunWrite) -> RunWrite:
+    """One write of `old` (a `mergeable` deferred write, taken back before any batch
+    took it: `Storage.withdraw`) followed by `new`, the next write of the same run.
+
+    What applying `old` and then `new` would leave: `new`'s record (it supersedes),
+    both journals and lease records in order, the indexes moved from where `old`
+    found them. `new`'s guard judges on `old`'s fences and lease records, as it
+    would on `old`'s record committed first. If `new`'s part refuses or fails,
+    `old` is written alone (`apply_txn`), as it would have been.
+    """
+    return dataclasses.replace(
+        new,
+        journal=[*old.journal, *new.journal],
+        due_old=old.due_old,
+        active_old=old.active_old,
+        status_old=old.status_old,
+        leases=[*old.leases, *new.leases],
+        merged=old,
+    )
+
+
+def apply_txn(txn: WriteTxn, w: RunWrite) -> str | Refused | None:
     """Apply one run transition. Returns the existing run id when `dispatch_key` was taken.
+
+    Returns:
+        The existing run's id when `dispatch_key` was taken; `Refused` when the
+        own part of a `merge`d write refused or failed (its deferred part then
+        written alone).
 
     Raises:
         Conflict: the guard's lease check refused the call (nothing is written).
         KeyError: `create` and the run id exists already.
     """
+    old = w.merged
+    if old is not None:
+        try:  # the own part in a savepoint: if it raises, the deferred part still stands
+            return txn.savepoint(_apply_txn, w)
+        except Exception as exc:  # noqa: BLE001 - any failure: the caller raises it
+            apply_txn(txn, old)
+            return Refused(exc)
+    return _apply_txn(txn, w)
+
+
+def _apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
+    """`apply_txn` of one write, a `merge`d one's whole content included."""
     if w.create:
         if w.dispatch_key is not None:
             taken = txn.get(DISPATCH_KEYS, w.dispatch_key)
@@ -196,7 +264,12 @@ def apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
                     {"step_id": origin["step_id"], "at": w.record["created_at"]})
     else:
         if w.guard is not None:
-            _check_guard_txn(txn, w.run_id, w.guard)
+            if w.merged is None:
+                _check_guard_txn(txn, w.run_id, w.guard)
+            else:
+                refusal = _merged_refusal(txn, w.merged, w.guard)
+                if refusal is not None:
+                    raise refusal
         raw = w.record_raw
         if raw is None:
             raw = encode(w.record)
@@ -249,7 +322,11 @@ def deferred(w: RunWrite) -> RunWrite:
         OverflowError, TypeError: the record holds what the codec cannot store
             (on the caller's side: a bug in the transition, not a daemon stop).
     """
-    w.record_raw = encode(w.record)
+    record = w.record
+    w.record_raw = encode(record)
+    fences = record.get("fences")
+    w.fences_then = dict(fences) if fences else {}  # a copy: the machine's own dict
+    w.terminal_then = record["status"] in _TERMINAL_VALUES
     return w
 
 
@@ -288,6 +365,22 @@ def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
         reason = durable_reason(lease_raw, run_raw, guard.op)
     if reason is not None:
         raise _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
+
+
+def _merged_refusal(txn: WriteTxn, old: RunWrite, guard: LeaseGuard) -> Conflict | None:
+    """`_check_guard_txn` for a write that took `old` in: on `old`'s lease records
+    (the last one of the lease wins, as its puts would) and its fences and status
+    as `deferred` kept them, which is what `old`'s commit would have left."""
+    lease_raw: Any = None
+    for lease in old.leases:
+        if lease["lease_id"] == guard.lease_id:
+            lease_raw = lease
+    if lease_raw is None:
+        lease_raw = txn.get(LEASES, guard.lease_id)
+    if not isinstance(lease_raw, dict):
+        return Fenced(f"lease {guard.lease_id} is not on record")
+    reason = _reason(lease_raw, old.terminal_then, old.fences_then or {}, guard.op)
+    return None if reason is None else _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
 
 
 def durable_reason(lease_raw: dict[str, Any], run_raw: dict[str, Any], op: Op) -> str | None:
