@@ -101,7 +101,7 @@ class RunOffers(RunWrites):
         w = self._write(tr, **extra)
         try:
             done = await self.s.storage.write(store.apply_txn, self._take_behind(w))
-            if type(done) is store.Refused:  # a merged write's guard (`store.merge`)
+            if type(done) is store.Refused:  # a merged write's own part (`store.merge`)
                 raise done.exc
         except BaseException:
             if ahead:

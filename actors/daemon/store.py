@@ -179,8 +179,8 @@ class RunWrite:
     # judges its lease call on them, as it would on this write's durable record.
     fences_then: dict[str, int] | None = None
     terminal_then: bool = False
-    # The deferred write of the same run this one took in (`merge`), when this
-    # one has a guard: what is written alone if the guard refuses.
+    # The deferred write of the same run this one took in (`merge`): what is
+    # written alone if this one's own part is refused or fails.
     merged: RunWrite | None = None
 
 
@@ -274,7 +274,7 @@ def _apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
         if raw is None:
             raw = encode(w.record)
         txn.put_raw(RUNS, w.run_id, raw)
-        _memo(w.run_id, raw, w.record)
+        _memo(w.run_id, raw, w.record, w.fences_then)
     listing.index_txn(txn, w.record, w.create, w.status_old,
                       w.record.get("correlation") if w.create else None)
     if w.journal:  # the run's key prefix once, not once an entry (~4 a step)
@@ -330,12 +330,18 @@ def deferred(w: RunWrite) -> RunWrite:
     return w
 
 
-def _memo(run_id: str, raw: bytes, record: dict[str, Any]) -> None:
+def _memo(run_id: str, raw: bytes, record: dict[str, Any],
+          fences_then: dict[str, int] | None = None) -> None:
     """Remember what the guard needs of the run record just put as `raw` (see
     `_GUARD_MEMO`): nothing for an ended run (a lease call on it is refused from
     its record, memo or not) or a record over 64 KiB, and all of it forgotten
     once 8 MiB of records were added since the last time (100,000 sleeping runs
-    must not be kept here: it only serves runs that take steps)."""
+    must not be kept here: it only serves runs that take steps).
+
+    `fences_then`: the fences as `raw` holds them, for a write encoded when it
+    was queued (`deferred`). Its `record` shares `fences` with the live machine,
+    which may have moved on (a retry's new fence) by the time the writer puts it:
+    a copy taken now would pair those bytes with fences they do not hold."""
     global _guard_memo_size
     memo = _GUARD_MEMO
     if record["status"] in _TERMINAL_VALUES or len(raw) > _GUARD_MEMO_ENTRY_BYTES:
@@ -344,9 +350,11 @@ def _memo(run_id: str, raw: bytes, record: dict[str, Any]) -> None:
     if _guard_memo_size > _GUARD_MEMO_BYTES:
         memo.clear()
         _guard_memo_size = 0
-    fences = record.get("fences")
-    # A copy: the record shares `fences` with the live machine (see `RunWrite.record_raw`).
-    memo[run_id] = (raw, dict(fences) if fences else {})
+    if fences_then is None:
+        fences = record.get("fences")
+        # A copy: the record shares `fences` with the live machine (`RunWrite.record_raw`).
+        fences_then = dict(fences) if fences else {}
+    memo[run_id] = (raw, fences_then)
     _guard_memo_size += len(raw)
 
 

@@ -115,3 +115,20 @@ async def test_the_memo_forgets_ended_runs_and_big_records_and_stays_bounded(
         await storage.write(many)
         assert 0 < len(memo) < runs
         assert sum(len(entry[0]) for entry in memo.values()) <= store._GUARD_MEMO_BYTES + 70_000
+
+
+async def test_a_deferred_write_is_remembered_with_the_fences_its_bytes_hold(
+    tmp_path: Path, memo: dict[str, Any],
+) -> None:
+    """A deferred write is encoded when it is queued, but its record shares `fences`
+    with the live machine, which may move on (a retry's new fence) before the
+    writer puts it. The memo must pair the bytes with the fences they hold."""
+    async with Storage.open(tmp_path / "db", extra_tables=store.EXTRA_TABLES) as storage:
+        await storage.write(lambda txn: txn.put(store.LEASES, LEASE, _lease(1)))
+        record = _record(fence=1)
+        storage.write_deferred(store.apply_txn, store.deferred(_write(record)))
+        record["fences"]["s"] = 2  # the machine moved on before any batch took the write
+        await storage.write(store.barrier_txn)
+        assert memo[RUN][1] == {"s": 1}
+        # On record the slot is at fence 1: a call on the fence-1 lease passes the guard.
+        await storage.write(store.apply_txn, _write(_record(fence=1), guarded=True))
