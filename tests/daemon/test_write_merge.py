@@ -27,7 +27,7 @@ from stepd.storage import Storage, WriteTxn
 
 from .helpers import claim_one, eventually, writer_held
 
-WAIT_S = 10.0
+WAIT_S = 10.0  # a bound, not a sleep: each wait returns as soon as its event is set
 RUN = "r_01MERGE"
 LEASE = "l_01MERGE"
 
