@@ -408,8 +408,6 @@ class Storage(StorageReads):
         follows it this way, one write where there were two (docs/storage.md).
         Loop thread only, as `write` is.
         """
-        if handle.taken:
-            return False
         return self._writer.withdraw(handle)
 
     def _submit(self, req: Request) -> None:

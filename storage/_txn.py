@@ -170,8 +170,8 @@ class WriteTxn(ReadTxn):
         txn: lmdb.Transaction[bytes],
         dbs: Mapping[str, lmdb._Database],
         on_map_full: Callable[[], None],
-        log: list[tuple[Any, ...]] | None = None,
-        env: lmdb.Environment | None = None,
+        log: list[tuple[Any, ...]] | None,
+        env: lmdb.Environment,
     ) -> None:
         self._txn = txn  # `ReadTxn.__init__`, spelled out: one per write request
         self._dbs = dbs
@@ -244,11 +244,8 @@ class WriteTxn(ReadTxn):
 
         Raises:
             Exception: whatever ``fn`` raised, after the rollback.
-            RuntimeError: this transaction cannot nest (made without its environment).
         """
         outer = self._live()
-        if self._env is None:
-            raise RuntimeError("this WriteTxn was made without its environment: no savepoint")
         log = self._log
         mark = 0 if log is None else len(log)
         child = self._env.begin(write=True, parent=outer)

@@ -234,6 +234,8 @@ class Writer(Batches):
 
     def withdraw(self, req: Request) -> bool:
         """Take back `req` if no batch took it yet (see `Storage.withdraw`)."""
+        if req.taken:  # once taken it stays taken: no lock needed to say no
+            return False
         with self._mutex:
             if req.taken:
                 return False

@@ -174,11 +174,11 @@ class RunWrite:
     # sequence number: written in the same transaction, its target the run (for a
     # start whose `dispatch_key` was taken: the existing run, status 200).
     audit: tuple[AuditEntry, int] | None = None
-    # Set by `deferred`: the record's fences (a copy) and whether it had ended, as
-    # of this write. A later guarded write that takes this one in (`merged`)
-    # judges its lease call on them, as it would on this write's durable record.
+    # Set by `deferred`: the record's fences as `record_raw` holds them (a copy:
+    # `record` shares them with the live machine). A later guarded write that
+    # takes this one in (`merged`) judges its lease call on them, as it would on
+    # this write's durable record; the guard's memo pairs them with those bytes.
     fences_then: dict[str, int] | None = None
-    terminal_then: bool = False
     # The deferred write of the same run this one took in (`merge`): what is
     # written alone if this one's own part is refused or fails.
     merged: RunWrite | None = None
@@ -264,12 +264,7 @@ def _apply_txn(txn: WriteTxn, w: RunWrite) -> str | None:
                     {"step_id": origin["step_id"], "at": w.record["created_at"]})
     else:
         if w.guard is not None:
-            if w.merged is None:
-                _check_guard_txn(txn, w.run_id, w.guard)
-            else:
-                refusal = _merged_refusal(txn, w.merged, w.guard)
-                if refusal is not None:
-                    raise refusal
+            _check_guard_txn(txn, w)
         raw = w.record_raw
         if raw is None:
             raw = encode(w.record)
@@ -326,7 +321,6 @@ def deferred(w: RunWrite) -> RunWrite:
     w.record_raw = encode(record)
     fences = record.get("fences")
     w.fences_then = dict(fences) if fences else {}  # a copy: the machine's own dict
-    w.terminal_then = record["status"] in _TERMINAL_VALUES
     return w
 
 
@@ -358,37 +352,40 @@ def _memo(run_id: str, raw: bytes, record: dict[str, Any],
     _guard_memo_size += len(raw)
 
 
-def _check_guard_txn(txn: WriteTxn, run_id: str, guard: LeaseGuard) -> None:
-    lease_raw = txn.get(LEASES, guard.lease_id)
-    run_bytes = txn.get_raw(RUNS, run_id)
-    if not isinstance(lease_raw, dict) or run_bytes is None:
-        raise Fenced(f"lease {guard.lease_id} is not on record")
-    known = _GUARD_MEMO.get(run_id)
-    if known is not None and known[0] == run_bytes:  # the durable bytes, compared whole
-        reason = _reason(lease_raw, False, known[1], guard.op)  # ended runs are never kept
-    else:
-        run_raw = decode(run_bytes)
-        if not isinstance(run_raw, dict):
-            raise Fenced(f"lease {guard.lease_id} is not on record")
-        reason = durable_reason(lease_raw, run_raw, guard.op)
-    if reason is not None:
-        raise _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
-
-
-def _merged_refusal(txn: WriteTxn, old: RunWrite, guard: LeaseGuard) -> Conflict | None:
-    """`_check_guard_txn` for a write that took `old` in: on `old`'s lease records
-    (the last one of the lease wins, as its puts would) and its fences and status
-    as `deferred` kept them, which is what `old`'s commit would have left."""
+def _check_guard_txn(txn: WriteTxn, w: RunWrite) -> None:
+    """STYLE.md rule 16's guard: refuse `w`'s lease call unless the durable records
+    allow it. For a write that took a deferred one in (`merge`), "durable" is what
+    that one's commit would have left: its lease records (the last of the lease
+    wins, as its puts would) and its fences as `deferred` kept them."""
+    guard = w.guard
+    assert guard is not None
+    old = w.merged
     lease_raw: Any = None
-    for lease in old.leases:
-        if lease["lease_id"] == guard.lease_id:
-            lease_raw = lease
+    if old is not None:
+        for lease in old.leases:
+            if lease["lease_id"] == guard.lease_id:
+                lease_raw = lease
     if lease_raw is None:
         lease_raw = txn.get(LEASES, guard.lease_id)
     if not isinstance(lease_raw, dict):
-        return Fenced(f"lease {guard.lease_id} is not on record")
-    reason = _reason(lease_raw, old.terminal_then, old.fences_then or {}, guard.op)
-    return None if reason is None else _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
+        raise Fenced(f"lease {guard.lease_id} is not on record")
+    if old is not None:  # its record's status: top level of `to_dict`'s own dict
+        reason = _reason(lease_raw, old.record["status"] in _TERMINAL_VALUES,
+                         old.fences_then or {}, guard.op)
+    else:
+        run_bytes = txn.get_raw(RUNS, w.run_id)
+        if run_bytes is None:
+            raise Fenced(f"lease {guard.lease_id} is not on record")
+        known = _GUARD_MEMO.get(w.run_id)
+        if known is not None and known[0] == run_bytes:  # the durable bytes, compared whole
+            reason = _reason(lease_raw, False, known[1], guard.op)  # ended runs are never kept
+        else:
+            run_raw = decode(run_bytes)
+            if not isinstance(run_raw, dict):
+                raise Fenced(f"lease {guard.lease_id} is not on record")
+            reason = durable_reason(lease_raw, run_raw, guard.op)
+    if reason is not None:
+        raise _CONFLICTS[reason](f"lease {guard.lease_id}: {reason}")
 
 
 def durable_reason(lease_raw: dict[str, Any], run_raw: dict[str, Any], op: Op) -> str | None:
