@@ -11,9 +11,26 @@ import anyio
 import anyio.abc
 
 from stepd.actors.daemon import Daemon
-from stepd.sansio.lease import Op
+from stepd.sansio.lease import LeaseRecord, Op
 
 Body = Callable[[dict[str, Any]], Any]
+
+
+def slot_record(run_id: str, fence: int, status: str = "running",
+                state: Any = None) -> dict[str, Any]:
+    """A run record with one slot ("s") at `fence`: the keys the listing's index and
+    the lease guard read, and a state (for the store-level tests of run writes)."""
+    return {"run_id": run_id, "workflow": "wf", "status": status, "version": "v1",
+            "hash": "h", "idempotency_key": None, "created_at": 1, "updated_at": 2,
+            "fences": {"s": fence}, "state": state}
+
+
+def slot_lease(run_id: str, lease_id: str, fence: int, status: str = "offered"
+               ) -> dict[str, Any]:
+    """The lease record of slot "s" of `slot_record`'s run, at `fence`."""
+    return dict(LeaseRecord(lease_id=lease_id, run_id=run_id, step_id="s", item_index=None,
+                            fence=fence, attempt=1, worker_id="w_1", worker_name="w",
+                            delivery="at_least_once", offered_at=1).to_dict(), status=status)
 
 
 def seq_definition(name: str, n: int) -> dict[str, Any]:

@@ -17,8 +17,10 @@ import pytest
 
 from stepd.actors.daemon import store
 from stepd.sansio.errors import Fenced, RunTerminal
-from stepd.sansio.lease import LeaseRecord, Op
+from stepd.sansio.lease import Op
 from stepd.storage import Storage, WriteTxn, encode
+
+from .helpers import slot_lease, slot_record
 
 RUN = "r_01MEMO"
 LEASE = "l_01MEMO"
@@ -26,16 +28,11 @@ LEASE = "l_01MEMO"
 
 def _record(fence: int, status: str = "running", pad: str = "", run_id: str = RUN
             ) -> dict[str, Any]:
-    """The keys the listing's index reads, the ones the guard reads, and a state."""
-    return {"run_id": run_id, "workflow": "wf", "status": status, "version": "v1",
-            "hash": "h", "idempotency_key": None, "created_at": 1, "updated_at": 2,
-            "fences": {"s": fence}, "state": {"pad": pad}}
+    return slot_record(run_id, fence, status, {"pad": pad})
 
 
 def _lease(fence: int) -> dict[str, Any]:
-    return LeaseRecord(lease_id=LEASE, run_id=RUN, step_id="s", item_index=None, fence=fence,
-                       attempt=1, worker_id="w_1", worker_name="w", delivery="at_least_once",
-                       offered_at=1).to_dict()
+    return slot_lease(RUN, LEASE, fence)
 
 
 def _write(record: dict[str, Any], *, guarded: bool = False) -> store.RunWrite:

@@ -22,10 +22,10 @@ import pytest
 from stepd.actors import ManualClock
 from stepd.actors.daemon import Daemon, DaemonConfig, store
 from stepd.sansio.errors import Fenced
-from stepd.sansio.lease import LeaseRecord, Op
+from stepd.sansio.lease import Op
 from stepd.storage import Storage, WriteTxn
 
-from .helpers import claim_one, eventually, writer_held
+from .helpers import claim_one, eventually, slot_lease, slot_record, writer_held
 
 WAIT_S = 10.0  # a bound, not a sleep: each wait returns as soon as its event is set
 RUN = "r_01MERGE"
@@ -33,16 +33,11 @@ LEASE = "l_01MERGE"
 
 
 def _record(fence: int, status: str = "running", state: Any = None) -> dict[str, Any]:
-    """The keys the listing's index reads, the ones the guard reads, and a state."""
-    return {"run_id": RUN, "workflow": "wf", "status": status, "version": "v1",
-            "hash": "h", "idempotency_key": None, "created_at": 1, "updated_at": 2,
-            "fences": {"s": fence}, "state": state}
+    return slot_record(RUN, fence, status, state)
 
 
 def _lease(fence: int, status: str = "offered") -> dict[str, Any]:
-    return dict(LeaseRecord(lease_id=LEASE, run_id=RUN, step_id="s", item_index=None,
-                            fence=fence, attempt=1, worker_id="w_1", worker_name="w",
-                            delivery="at_least_once", offered_at=1).to_dict(), status=status)
+    return slot_lease(RUN, LEASE, fence, status)
 
 
 def _entry(seq: int, kind: str) -> dict[str, Any]:
@@ -65,8 +60,13 @@ def _complete(fence: int, output: Any = "done") -> store.RunWrite:
 
 
 def _on_record(storage: Storage) -> tuple[Any, list[str], Any]:
-    journal = [e["type"] for _, e in storage.journal(RUN)]
+    journal = [e["type"] for _, e in storage.journal(RUN)]  # type: ignore[index]
     return storage.get(store.RUNS, RUN), journal, storage.get(store.LEASES, LEASE)
+
+
+def _statuses(storage: Storage) -> list[Any]:
+    """The statuses the run summaries index holds."""
+    return [s["status"] for _, s in storage.scan(store.RUN_SUMMARIES)]  # type: ignore[index]
 
 
 @pytest.fixture
@@ -88,8 +88,7 @@ async def test_a_merged_write_leaves_what_the_two_writes_in_a_row_leave(storage:
     assert journal == ["run_started", "step_offered", "step_completed", "run_completed"]
     assert lease["status"] == "completed"
     # The indexes moved from where the offer found them (running) to completed.
-    summaries = storage.scan(store.RUN_SUMMARIES)
-    assert [s["status"] for _, s in summaries] == ["completed"]
+    assert _statuses(storage) == ["completed"]
 
 
 async def test_a_refused_merged_write_still_writes_the_offer_it_took_in(storage: Storage) -> None:
@@ -118,7 +117,7 @@ async def test_a_merged_write_that_cannot_be_written_still_writes_the_offer(
     assert record["status"] == "running" and record["fences"] == {"s": 1}
     assert journal == ["run_started", "step_offered"]
     assert lease["status"] == "offered"
-    assert [s["status"] for _, s in storage.scan(store.RUN_SUMMARIES)] == ["running"]
+    assert _statuses(storage) == ["running"]
 
 
 async def test_a_savepoint_rolls_back_its_writes_and_their_log(storage: Storage) -> None:
