@@ -10,7 +10,10 @@ hot path is one dict lookup. It accepts
 * Enum members;
 * tuples and tuple subclasses without an instance ``__dict__`` (so
   NamedTuples, but not a plain subclass that allows extra attributes);
-* frozen dataclasses (declared ``frozen=True`` on the class itself);
+* frozen dataclasses (declared ``frozen=True`` on the class itself), and
+  dataclasses that declare ``__immutable__ = True`` on the class itself (frozen
+  by a type checker's contract rather than by a run-time guard:
+  `stepd.sansio.frozen`);
 * types registered with `register_immutable` (attrs or msgspec frozen classes,
   for instance).
 
@@ -68,7 +71,7 @@ def _judge(t: type) -> bool:
         return t.__dictoffset__ == 0
     params = t.__dict__.get("__dataclass_params__")
     if params is not None and dataclasses.is_dataclass(t):
-        return bool(params.frozen)
+        return bool(params.frozen) or t.__dict__.get("__immutable__") is True
     return False
 
 

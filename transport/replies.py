@@ -17,7 +17,6 @@ Besides the daemon's errors (`stepd.sansio.errors`: `Invalid` 400,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final
 
 from stepd.actors.daemon import SignalRefused
@@ -30,6 +29,7 @@ from stepd.sansio.errors import (
     Unavailable,
     Unprocessable,
 )
+from stepd.sansio.frozen import frozen
 from stepd.storage import StorageClosed
 
 from .auth import Forbidden, Unauthorized
@@ -79,7 +79,7 @@ class CrossSite(StepdError):
 # --------------------------------------------------------------------------- replies
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Reply:
     """An answer as every transport sends it: an HTTP status and a JSON body."""
 

@@ -26,20 +26,20 @@ Who sends what (asks that wait only go run-ward, so no cycle of asks can deadloc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from stepd.sansio.events import AttemptSpec
+from stepd.sansio.frozen import frozen
 from stepd.sansio.lease import Op
 from stepd.sansio.sticky import StickyWorker
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Due:
     """An actor's own timer fired."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class IdleCheck:
     """Sent by a run actor to itself after start: passivate if nothing is queued."""
 
@@ -47,7 +47,7 @@ class IdleCheck:
 # --------------------------------------------------------------------------- leases
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LeaseCall:
     op: Op
     # The call's parsed body: progress, error; a complete's holds every field of
@@ -62,12 +62,12 @@ class LeaseCall:
     token: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReleaseLease:
     """The lease never reached its worker: if it is still only offered, requeue its slot now."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class EndLease:
     """The run ended this lease (fenced by a later attempt, or the run is over)."""
 
@@ -77,7 +77,7 @@ class EndLease:
 # --------------------------------------------------------------------------- runs
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Offer:
     """Turn a queued slot into a lease for this worker (None: the slot moved on)."""
 
@@ -88,7 +88,7 @@ class Offer:
     sticky: StickyWorker | None = None  # the worker declared sticky execution
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ApplyAttempt:
     """A lease call that changes the run: persist it under the durable guard, then answer.
 
@@ -106,7 +106,7 @@ class ApplyAttempt:
     claim_next: bool = False  # a complete asking for its worker's next lease in its answer
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptNote:
     """A lease event the run records without anyone waiting (orphaned, revived, lost)."""
 
@@ -115,38 +115,38 @@ class AttemptNote:
     lease: Any = None  # dict: the lease record to store with it (recovered: fenced)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Signal:
     name: str
     payload: Any = None
     audit: Any = None  # an AuditEntry written in the signal's transaction
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CancelRun:
     message: str = "cancelled"
     audit: Any = None  # an AuditEntry written in the cancel's transaction
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RetryRun:
     """Resume a failed run at its failed step (answered with its status and that step)."""
 
     audit: Any = None  # an AuditEntry written in the retry's transaction
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Resync:
     """Re-announce queued slots and make sure every live lease has its actor."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ResyncAll:
     """To recovery: send every active run a `Resync` (a restarted session lost the
     slots the registry had handed it, in its hand or still in its mailbox)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InboxChanged:
     """Messages wait in the run's durable inbox (a child finished, a parent cancelled)."""
 
@@ -154,41 +154,41 @@ class InboxChanged:
 # --------------------------------------------------------------------------- registry
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Announce:
     """These slots are runnable: hand each to exactly one worker session."""
 
     specs: tuple[AttemptSpec, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class WithdrawSlots:
     run_id: str
     slots: tuple[tuple[str, int | None], ...] | None = None  # None: every slot of the run
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReturnSpecs:
     """Slots taken back (a session could not take them): queue them again, ahead."""
 
     specs: tuple[AttemptSpec, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RegisterWorker:
     worker_id: str
     name: str
     keys: frozenset[tuple[str, str | None, str]]  # (workflow, version, body)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ForgetWorkers:
     """Workers expired for idleness: route nothing to them."""
 
     worker_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Route:
     """Asked of the registry by a run in its own turn (`ask_now`): which session takes
     this slot now, ``(worker_id, claim)``, counted as handed to it; None: announce it.
@@ -202,7 +202,7 @@ class Route:
     answer_to: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Subscribe:
     """A worker session takes `n` more slots: its push credit (claim None) or one claim."""
 
@@ -212,7 +212,7 @@ class Subscribe:
     run_id: str | None = None  # only this run's slots
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Unsubscribe:
     """Withdraw a session's push credit (claim None), one claim, or everything (`all`)."""
 
@@ -221,7 +221,7 @@ class Unsubscribe:
     all: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RegistryStats:
     """Ask for the registry's counts (for /metrics)."""
 
@@ -229,7 +229,7 @@ class RegistryStats:
 # --------------------------------------------------------------------------- sessions
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Attach:
     """A push connection registered as this worker: deliver its leases and cancels to `outbox`."""
 
@@ -237,12 +237,12 @@ class Attach:
     outbox: Any  # session.Outbox
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Detach:
     conn: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Grant:
     """The attached connection grants `n` more leases (credit). It carries the outbox
     too: if its `Attach` died in the mailbox of a killed incarnation, the session
@@ -253,7 +253,7 @@ class Grant:
     outbox: Any = None  # session.Outbox
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClaimSlots:
     """An HTTP claim: up to `max` leases by `deadline` (ms), answered through `reply`."""
 
@@ -264,12 +264,12 @@ class ClaimSlots:
     reply: Callable[[list[dict[str, Any]]], None]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AbandonClaim:
     claim: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SlotFor:
     """The registry hands this session a runnable slot, for a claim or its push credit."""
 
@@ -277,7 +277,7 @@ class SlotFor:
     claim: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TakeSlot:
     """`SlotFor`, asked by the slot's run in its own turn (`ask_now`): the session takes
     the slot and answers as whom the run is to offer it (`OfferAs`), or None (it gave
@@ -292,7 +292,7 @@ class TakeSlot:
     now: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OfferAs:
     """Who a session's worker is, for the lease a run offers it (see `Offer`)."""
 
@@ -302,7 +302,7 @@ class OfferAs:
     sticky: StickyWorker | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Offered:
     """The run's answer to a `TakeSlot`: the lease, or None (the slot moved on).
 
@@ -323,7 +323,7 @@ class Offered:
     ended: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LeaseEnded:
     """A lease of this worker ended; `reason` fenced / run_terminal ends it early."""
 
@@ -331,24 +331,24 @@ class LeaseEnded:
     reason: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Touch:
     """The worker called on one of its leases (liveness)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Resubscribe:
     """The registry restarted: subscribe again with what this session still takes."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StickyReport:
     """A worker's sticky cache counts, as its last ``complete`` reported them (cumulative)."""
 
     counts: Any  # dict[str, int]: hit, miss, eviction, forced_cold_replay
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class History:
     """GET /v1/api/steps/{lease}/history: the run's full history, fenced to this live lease."""
 
@@ -358,12 +358,12 @@ class History:
     fence: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionInfo:
     """Ask a session what it knows (workers list, expiry decisions)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Reregistered:
     """The worker registered again under its id: the session rereads its registration
     (name, capabilities, build id, sticky settings), so a worker that dropped ``local_steps``
@@ -373,14 +373,14 @@ class Reregistered:
 # --------------------------------------------------------------------------- timers
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TimerIndexChanged:
     """A passivated run's deadline is on record at `due` (ms): wake for it if sooner."""
 
     due: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LeasesDueBy:
     """A lease actor left its expiry timer unarmed (lease.py "lazy expiry"): the
     timer actor must sweep the live leases by `due` (ms), if not sooner."""
@@ -388,7 +388,7 @@ class LeasesDueBy:
     due: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SweepLeases:
     """The timer actor's own lease-sweep timer fired."""
 
@@ -397,32 +397,32 @@ class SweepLeases:
 # (AFFINITY.md "Worker sessions": /sessions/ws_<run id>.<name>, one per run and session name)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionNote:
     """Work session -> run actor (ask): a `SessionChanged` event for its machine."""
 
     event: Any  # stepd.sansio.events.SessionChanged
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class EnsureHolder:
     """To a work session: tell the run where it stands and look for a holder if it has none."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RenewSession:
     """API -> work session (ask): the holder renews its authority."""
 
     worker_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReleaseSession:
     """API -> work session (ask): the holder closes it (a graceful stop)."""
 
     worker_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CloseSession:
     """Run actor -> work session: the run is over."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .frozen import frozen
 from .sticky import StickyClaim, StickyWorker
 
 # --------------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptOffered:
     """The registry hands a queued slot to a worker under a new lease."""
 
@@ -32,7 +33,7 @@ class AttemptOffered:
     sticky: StickyWorker | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptStarted:
     """The worker said `started` for the lease holding this fence."""
 
@@ -41,7 +42,7 @@ class AttemptStarted:
     fence: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptCompleted:
     step_id: str
     item_index: int | None
@@ -58,7 +59,7 @@ class AttemptCompleted:
     sticky: StickyClaim | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptFailed:
     step_id: str
     item_index: int | None
@@ -67,7 +68,7 @@ class AttemptFailed:
     message: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptLost:
     """The lease expired and its recovery window passed (PROTOCOL.md "Expiry and recovery")."""
 
@@ -77,7 +78,7 @@ class AttemptLost:
     started: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptOrphaned:
     """The lease expired; the attempt waits out the recovery window (journal only)."""
 
@@ -86,7 +87,7 @@ class AttemptOrphaned:
     fence: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptRevived:
     """A late call arrived inside the recovery window (journal only)."""
 
@@ -95,7 +96,7 @@ class AttemptRevived:
     fence: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptReleased:
     """An offered lease never reached its worker (the connection died, the
     claim's answer was lost): hand the slot back at once, same attempt."""
@@ -105,7 +106,7 @@ class AttemptReleased:
     fence: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptUnservable:
     """The worker does not hold this definition, version or body; hand the slot back."""
 
@@ -116,18 +117,18 @@ class AttemptUnservable:
     message: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SignalReceived:
     name: str
     payload: Any = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Tick:
     """Time has reached (at least) the machine's `next_deadline()`; fire what is due."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChildFinished:
     child_run_id: str
     status: str
@@ -135,12 +136,12 @@ class ChildFinished:
     error: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Cancel:
     message: str = "cancelled"  # the run's error message: the canceller's reason, if given
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Retry:
     """Resume a failed run at the step it failed on, with a fresh retry budget.
 
@@ -149,12 +150,12 @@ class Retry:
     """
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Begin:
     """Enter the first step of a child run its parent created unbegun (`RunRecord.begun`)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InternalFailure:
     """The daemon gives up on the run: its actor crashed too often (a poison run).
 
@@ -165,7 +166,7 @@ class InternalFailure:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionChanged:
     """A worker session of this run changed (AFFINITY.md "Worker sessions"), told by
     its actor after its own record is durable.
@@ -206,7 +207,7 @@ Event = (
 # --------------------------------------------------------------------------- effects
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AttemptSpec:
     """Everything the registry needs to offer one slot to a worker."""
 
@@ -233,14 +234,14 @@ class AttemptSpec:
     prefer_until: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Runnable:
     """These slots are queued: offer each to exactly one worker."""
 
     attempts: tuple[AttemptSpec, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Withdraw:
     """These queued slots are no longer runnable (the run ended or the step moved on)."""
 
@@ -248,7 +249,7 @@ class Withdraw:
     slots: tuple[tuple[str, int | None], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class EndLeases:
     """These live leases are over: `reason` is the 409 reason later calls get.
 
@@ -261,13 +262,13 @@ class EndLeases:
     reason: str  # "fenced" | "run_terminal"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChildSpec:
     run_id: str
     input: Any
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StartChildren:
     """Create these child runs in the same transaction as the parent's transition.
 
@@ -283,12 +284,12 @@ class StartChildren:
     depth: int = 1  # the children's depth (the parent's plus one)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CancelChildren:
     run_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NotifyParent:
     """This run is terminal and its parent waits on it."""
 
@@ -296,7 +297,7 @@ class NotifyParent:
     child_run_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RunEnded:
     run_id: str
     status: str

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from .events import AttemptSpec
+from .frozen import frozen
 
 __all__ = [
     "ANSWER",
@@ -80,7 +81,7 @@ def slot_of(spec: AttemptSpec) -> SlotKey:
 # --------------------------------------------------------------------------- actions
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Subscribe:
     """Tell the registry this worker takes `n` more slots (push credit, or one claim)."""
 
@@ -89,14 +90,14 @@ class Subscribe:
     run_id: str | None = None  # only this run's slots (a claim's filter)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Unsubscribe:
     """Withdraw what was subscribed: the push credit (claim None) or one claim."""
 
     claim: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Offer:
     """Ask the slot's run for a lease for this worker; `offered` reports the outcome."""
 
@@ -104,18 +105,18 @@ class Offer:
     claim: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PushLease:
     lease: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PushCancel:
     lease_id: str
     reason: str  # "fenced" | "run_terminal"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Answer:
     """End a waiting claim with the leases it got (possibly none)."""
 
@@ -123,7 +124,7 @@ class Answer:
     leases: tuple[dict[str, Any], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClaimReady:
     """A claim has leases and no offer under way: `answer` it (now, or after the
     slots already queued for it are in, so one claim takes a batch)."""
@@ -131,21 +132,21 @@ class ClaimReady:
     claim: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Release:
     """A lease issued for a connection or claim that is gone: give it back now."""
 
     lease_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Return:
     """Slots handed to this session that it can no longer take: queue them again."""
 
     specs: tuple[AttemptSpec, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Expire:
     """Idle past the expiry: forget the worker (its journals keep its id)."""
 

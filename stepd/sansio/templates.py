@@ -29,11 +29,12 @@ import enum
 import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Final
 
 from stepd.sansio.canonical import canonical_json
 from stepd.sansio.errors import Invalid, TemplateError, field_path
+
+from .frozen import frozen
 
 __all__ = [
     "MISSING",
@@ -67,7 +68,7 @@ MISSING: Final = _Missing.MISSING
 """`TemplateContext.item` outside a for_each item: ``${item}`` does not resolve."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TemplatePath:
     """One parsed ``${...}`` path.
 
@@ -89,7 +90,7 @@ class TemplatePath:
         return self.segments[0] if self.root == "steps" else None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Template:
     """A parsed template string.
 
@@ -133,7 +134,7 @@ class Template:
         return "".join(out)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TemplateContext:
     """What a template can see when a step is scheduled.
 

@@ -140,3 +140,23 @@ async def test_every_way_in_checks_the_message() -> None:
         with pytest.raises(ActorDead) as excinfo:
             await ref.ask(("arm", "k", 1.0, {"mutable": True}))
         assert isinstance(excinfo.value.__cause__, MutableMessageError)
+
+
+def test_a_dataclass_marked_immutable_passes_and_the_mark_alone_does_not() -> None:
+    # `stepd.sansio.frozen`'s classes: frozen to the type checker, no run-time guard.
+    @dataclasses.dataclass
+    class Marked:
+        __immutable__ = True
+        x: int
+
+    class MarkedPlain:
+        __immutable__ = True
+
+    @dataclasses.dataclass
+    class Inherits(Marked):  # the mark is read off the class itself, not its bases
+        y: int = 0
+
+    check_message(Marked(1))
+    for message in (MarkedPlain(), Inherits(1)):
+        with pytest.raises(MutableMessageError):
+            check_message(message)
