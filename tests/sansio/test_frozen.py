@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stepd.actors import check_message
-from stepd.sansio.events import AttemptStarted, AttemptSpec
+from stepd.sansio.events import AttemptSpec, AttemptStarted
 from stepd.sansio.frozen import frozen
 
 
@@ -32,7 +32,7 @@ def test_equality_hashing_and_slots_are_a_frozen_dataclass_s() -> None:
     assert Pair(1, ("x",)) == Pair(1, ("x",)) != Pair(2)
     assert hash(Pair(1, ("x",))) == hash(Pair(1, ("x",))) == hash(FrozenPair(1, ("x",)))
     assert {Pair(1), Pair(1)} == {Pair(1)}
-    assert Pair.__slots__ == FrozenPair.__slots__ == ("a", "b")
+    assert vars(Pair)["__slots__"] == vars(FrozenPair)["__slots__"] == ("a", "b")
     assert not hasattr(Pair(1), "__dict__")
     assert dataclasses.replace(Pair(1), b=("y",)) == Pair(1, ("y",))
     assert [f.name for f in dataclasses.fields(Pair)] == ["a", "b"]

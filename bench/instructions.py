@@ -1,0 +1,177 @@
+"""``python -m bench.instructions``: CPU instructions per step, counted by callgrind.
+
+    python -m bench.instructions [--runs 10] [--base 2] [--keep]
+
+Times on these machines move by 30 % from one run to the next; call counts
+(``python -m bench.calls``) do not, but weigh a dict lookup and a frozen
+dataclass's ``__init__`` alike. Instructions do neither: this runs PEERS.md's
+sequential workload A on the embedded default (``stepd.embedded(path)``, a
+``stepd.Worker`` and a ``stepd.AsyncClient`` on one uvloop loop, as bench's
+embedded setup runs them) under ``valgrind --tool=callgrind`` twice, with
+``--base`` and ``--base + --runs`` seq(20) runs after the warm-up, and prints
+the difference divided by the steps between them: start-up, imports and the
+warm-up cancel out. Both threads are counted (valgrind runs them one at a
+time); the split is by the shared object the instructions ran in (the
+interpreter, msgpack, py-lmdb with LMDB, libc, zlib...). Repeatable to ~1 %
+here (bench/README.md, "Instructions per step").
+
+Needs valgrind (``apt-get install valgrind``); ~1 minute on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STEPS = 20
+_LINE = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+(.*)$")
+_OBJECT = re.compile(r"\[([^\]]*)\]\s*$")
+# callgrind_annotate names no object for code inlined from CPython's headers.
+_GROUPS = (("libpython", "python"), ("Python-3", "python"), ("/Include/", "python"),
+           ("_cmsgpack", "msgpack"), ("lmdb", "lmdb"), ("cpython.cpython", "lmdb"),
+           ("libc.so", "libc"), ("libz.so", "zlib"), ("loop.cpython", "uvloop"),
+           ("libcrypto", "libcrypto"))
+
+
+def group_of(where: str) -> str:
+    """The library a ``callgrind_annotate`` line's instructions count in."""
+    found = _OBJECT.search(where)
+    obj = found.group(1) if found else where
+    for needle, name in _GROUPS:
+        if needle in obj:
+            return name
+    if obj == where:  # no object named: look at the file
+        for needle, name in _GROUPS:
+            if needle in where:
+                return name
+    return "other"
+
+
+def parse(text: str) -> tuple[int, dict[str, int]]:
+    """(program total, instructions by library) from ``callgrind_annotate --auto=no``.
+
+    Raises:
+        ValueError: the text holds no program total, or its lines do not add up to it.
+    """
+    total = None
+    groups: dict[str, int] = collections.Counter()
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        n = int(m.group(1).replace(",", ""))
+        if "PROGRAM TOTALS" in m.group(2):
+            total = n
+        else:
+            groups[group_of(m.group(2))] += n
+    if total is None:
+        raise ValueError("no PROGRAM TOTALS line: not callgrind_annotate output")
+    if sum(groups.values()) != total:
+        raise ValueError(f"the functions add up to {sum(groups.values())}, not {total}: "
+                         "run callgrind_annotate with --threshold=100")
+    return total, dict(groups)
+
+
+def per_step(short: tuple[int, dict[str, int]], long: tuple[int, dict[str, int]],
+             steps: int) -> dict[str, Any]:
+    """The difference of two counts (`parse`'s), per step."""
+    names = sorted(set(short[1]) | set(long[1]),
+                   key=lambda k: -(long[1].get(k, 0) - short[1].get(k, 0)))
+    return {
+        "instructions_per_step": round((long[0] - short[0]) / steps),
+        "by_library": {k: round((long[1].get(k, 0) - short[1].get(k, 0)) / steps) for k in names},
+    }
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def child(runs: int, data: Path) -> None:
+    """The counted process: the embedded setup, the warm-up, `runs` x seq(20)."""
+    import uvloop
+
+    from bench import _setups
+    from bench._workloads import run_seq, sdk_concurrency, warm_up
+
+    async def go() -> None:
+        async with _setups.embedded(data, concurrency=sdk_concurrency()) as s:
+            await warm_up(s)
+            for _ in range(runs):
+                await run_seq(s, STEPS)
+
+    uvloop.run(go())
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def count(runs: int, tmp: Path, tag: str) -> subprocess.Popen[bytes]:
+    out = tmp / f"callgrind.{tag}"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+           sys.executable, "-m", "bench.instructions", "--child", str(runs),
+           "--data", str(tmp / f"data-{tag}")]
+    log = (tmp / f"valgrind.{tag}.log").open("wb")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parents[1])
+
+
+def annotate(path: Path) -> tuple[int, dict[str, int]]:
+    text = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", str(path)],
+                          capture_output=True, text=True, check=True).stdout
+    return parse(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=10, help="seq(20) runs between the counts")
+    parser.add_argument("--base", type=int, default=2, help="seq(20) runs in the shorter count")
+    parser.add_argument("--keep", action="store_true", help="keep the callgrind files")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        child(args.child, args.data)
+        return 0
+    if args.runs < 1 or args.base < 0:
+        parser.error("--runs must be >= 1 and --base >= 0")
+    for tool in ("valgrind", "callgrind_annotate"):
+        if shutil.which(tool) is None:
+            print(f"instructions: {tool} is not installed (apt-get install valgrind)",
+                  file=sys.stderr)
+            return 2
+    tmp = Path(tempfile.mkdtemp(prefix="stepd-instructions-"))
+    try:
+        procs = {"short": count(args.base, tmp, "short"),
+                 "long": count(args.base + args.runs, tmp, "long")}
+        for tag, proc in procs.items():  # both run at once, one core each
+            if proc.wait() != 0:
+                log = (tmp / f"valgrind.{tag}.log").read_text(errors="replace")
+                print(f"instructions: the {tag} count failed:\n{log[-3000:]}", file=sys.stderr)
+                return 1
+        found = per_step(annotate(tmp / "callgrind.short"), annotate(tmp / "callgrind.long"),
+                         args.runs * STEPS)
+    finally:
+        if args.keep:
+            print(f"instructions: kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"embedded, sequential seq({STEPS}), {args.runs} runs: "
+          f"{found['instructions_per_step']:,} instructions per step")
+    for name, n in found["by_library"].items():
+        share = 100 * n / found["instructions_per_step"] if found["instructions_per_step"] else 0.0
+        print(f"  {name:<10} {n:>10,}  {share:5.1f} %")
+    print(json.dumps({"bench": "instructions", "setup": "embedded", "runs": args.runs,
+                      **found}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
