@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 STEPS = 20
+B_STEPS = 3
 _LINE = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+(.*)$")
 _OBJECT = re.compile(r"\[([^\]]*)\]\s*$")
 # callgrind_annotate names no object for code inlined from CPython's headers.
@@ -94,16 +95,20 @@ def per_step(short: tuple[int, dict[str, int]], long: tuple[int, dict[str, int]]
 # --------------------------------------------------------------------------- the child
 
 
-def child(runs: int, data: Path) -> None:
-    """The counted process: the embedded setup, the warm-up, `runs` x seq(20)."""
+def child(workload: str, runs: int, data: Path) -> None:
+    """The counted process: the embedded setup, the warm-up, then `runs` x seq(20) one
+    at a time (A), or B's concurrent start and wait of `runs` x seq(3)."""
     import uvloop
 
     from bench import _setups
-    from bench._workloads import run_seq, sdk_concurrency, warm_up
+    from bench._workloads import run_seq, sdk_concurrency, warm_up, workload_b
 
     async def go() -> None:
         async with _setups.embedded(data, concurrency=sdk_concurrency()) as s:
             await warm_up(s)
+            if workload == "B":
+                await workload_b(s, runs, B_STEPS)
+                return
             for _ in range(runs):
                 await run_seq(s, STEPS)
 
@@ -113,11 +118,11 @@ def child(runs: int, data: Path) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-def count(runs: int, tmp: Path, tag: str) -> subprocess.Popen[bytes]:
+def count(workload: str, runs: int, tmp: Path, tag: str) -> subprocess.Popen[bytes]:
     out = tmp / f"callgrind.{tag}"
     cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-           sys.executable, "-m", "bench.instructions", "--child", str(runs),
-           "--data", str(tmp / f"data-{tag}")]
+           sys.executable, "-m", "bench.instructions", "--workload", workload,
+           "--child", str(runs), "--data", str(tmp / f"data-{tag}")]
     log = (tmp / f"valgrind.{tag}.log").open("wb")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parents[1])
@@ -131,15 +136,26 @@ def annotate(path: Path) -> tuple[int, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=10, help="seq(20) runs between the counts")
-    parser.add_argument("--base", type=int, default=2, help="seq(20) runs in the shorter count")
+    parser.add_argument("--workload", choices=("A", "B"), default="A",
+                        help="A: seq(20) runs one at a time; B: seq(3) runs started and "
+                             "awaited concurrently, as bench's B")
+    parser.add_argument("--runs", type=int,
+                        help="runs between the two counts (A: 10 x seq(20); B: 500 x seq(3))")
+    parser.add_argument("--base", type=int,
+                        help="runs in the shorter count (A: 2; B: 100)")
     parser.add_argument("--keep", action="store_true", help="keep the callgrind files")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        child(args.child, args.data)
+        child(args.workload, args.child, args.data)
         return 0
+    b = args.workload == "B"
+    if args.runs is None:
+        args.runs = 500 if b else 10
+    if args.base is None:
+        args.base = 100 if b else 2
+    steps = args.runs * (B_STEPS if b else STEPS)
     if args.runs < 1 or args.base < 0:
         parser.error("--runs must be >= 1 and --base >= 0")
     for tool in ("valgrind", "callgrind_annotate"):
@@ -149,27 +165,28 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepd-instructions-"))
     try:
-        procs = {"short": count(args.base, tmp, "short"),
-                 "long": count(args.base + args.runs, tmp, "long")}
+        procs = {"short": count(args.workload, args.base, tmp, "short"),
+                 "long": count(args.workload, args.base + args.runs, tmp, "long")}
         for tag, proc in procs.items():  # both run at once, one core each
             if proc.wait() != 0:
                 log = (tmp / f"valgrind.{tag}.log").read_text(errors="replace")
                 print(f"instructions: the {tag} count failed:\n{log[-3000:]}", file=sys.stderr)
                 return 1
         found = per_step(annotate(tmp / "callgrind.short"), annotate(tmp / "callgrind.long"),
-                         args.runs * STEPS)
+                         steps)
     finally:
         if args.keep:
             print(f"instructions: kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"embedded, sequential seq({STEPS}), {args.runs} runs: "
-          f"{found['instructions_per_step']:,} instructions per step")
+    what = (f"B, {args.runs} x seq({B_STEPS}) started and awaited concurrently" if b
+            else f"A, {args.runs} x seq({STEPS}) one at a time")
+    print(f"embedded, {what}: {found['instructions_per_step']:,} instructions per step")
     for name, n in found["by_library"].items():
         share = 100 * n / found["instructions_per_step"] if found["instructions_per_step"] else 0.0
         print(f"  {name:<10} {n:>10,}  {share:5.1f} %")
-    print(json.dumps({"bench": "instructions", "setup": "embedded", "runs": args.runs,
-                      **found}))
+    print(json.dumps({"bench": "instructions", "setup": "embedded", "workload": args.workload,
+                      "runs": args.runs, "steps": steps, **found}))
     return 0
 
 
