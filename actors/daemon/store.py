@@ -31,6 +31,7 @@ Every table name is declared in `tables`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,15 +214,21 @@ def merge(old: RunWrite, new: RunWrite) -> RunWrite:
     would on `old`'s record committed first. If `new`'s part refuses or fails,
     `old` is written alone (`apply_txn`), as it would have been.
     """
-    return dataclasses.replace(
-        new,
-        journal=[*old.journal, *new.journal],
-        due_old=old.due_old,
-        active_old=old.active_old,
-        status_old=old.status_old,
-        leases=[*old.leases, *new.leases],
-        merged=old,
-    )
+    # `dataclasses.replace`, without its loop over the fields in Python (~30 calls):
+    # `new` copied field by field in C, then the merged fields set. A copy, not
+    # `new` itself: the caller still holds `new` (`RunOffers._commit` exports it).
+    out = RunWrite(*_ALL_FIELDS(new))
+    out.journal = [*old.journal, *new.journal]
+    out.due_old = old.due_old
+    out.active_old = old.active_old
+    out.status_old = old.status_old
+    out.leases = [*old.leases, *new.leases]
+    out.merged = old
+    return out
+
+
+#: Every field of `RunWrite`, in the order its ``__init__`` takes them (`merge`).
+_ALL_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(RunWrite)))
 
 
 def apply_txn(txn: WriteTxn, w: RunWrite) -> str | Refused | None:

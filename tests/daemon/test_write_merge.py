@@ -91,6 +91,26 @@ async def test_a_merged_write_leaves_what_the_two_writes_in_a_row_leave(storage:
     assert _statuses(storage) == ["completed"]
 
 
+def test_merge_keeps_every_other_field_of_the_newer_write() -> None:
+    # `merge` copies the newer write field by field (not `dataclasses.replace`): a
+    # field added to `RunWrite` must come along without a change to `merge`.
+    import dataclasses
+
+    old = store.RunWrite("r", {"status": "running"}, [{"seq": 1}], due_old=5, active_old=True,
+                         status_old="pending", leases=[{"lease_id": "a"}], fences_then={})
+    new = store.RunWrite(
+        "r", {"status": "running", "seq": 2}, [{"seq": 2}], record_raw=b"x", due_old=6,
+        due_new=7, active_old=False, active_new=True, status_old="running", dispatch_key="k",
+        leases=[{"lease_id": "b"}], lease_status=[("b", "completed", 3)], inbox_done=[b"i"],
+        fences_then={"s": 1},
+    )
+    merged = store.merge(old, new)
+    assert merged == dataclasses.replace(
+        new, journal=[{"seq": 1}, {"seq": 2}], due_old=5, active_old=True,
+        status_old="pending", leases=[{"lease_id": "a"}, {"lease_id": "b"}], merged=old)
+    assert merged is not new and new.journal == [{"seq": 2}] and new.merged is None
+
+
 async def test_a_refused_merged_write_still_writes_the_offer_it_took_in(storage: Storage) -> None:
     # The offer is fence 2; the complete carries a lease of fence 1: stale.
     stale = _complete(1)
