@@ -9,16 +9,18 @@ do I/O. The shapes are PROTOCOL.md's and ``transport/openapi.json``'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Final
 from urllib.parse import quote
+
+from stepd.sansio.frozen import frozen
 
 __all__ = ["NO_BODY", "Call"]
 
 NO_BODY: Final = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Call:
     """One operation of the protocol.
 

@@ -22,6 +22,7 @@ from stepd.actors.daemon.audit import AuditAction, AuditEntry
 from stepd.actors.daemon.listing import Query as ListQuery
 from stepd.sansio.enums import IdentityEnum
 from stepd.sansio.errors import Invalid
+from stepd.sansio.frozen import frozen
 from stepd.sansio.lease import Op
 from stepd.sansio.run import iso_ms
 
@@ -93,7 +94,7 @@ class Operation(IdentityEnum):
     PRUNE_RUNS = "prune_runs"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Request:
     """One call as a handler gets it.
 
