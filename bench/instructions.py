@@ -15,6 +15,13 @@ time); the split is by the shared object the instructions ran in (the
 interpreter, msgpack, py-lmdb with LMDB, libc, zlib...). Repeatable to ~1 %
 here (bench/README.md, "Instructions per step").
 
+``--setup websocket`` counts ``stepd serve`` instead, the daemon alone: it
+runs under callgrind with its instrumentation off, a ``stepd.Worker(url)``
+(its WebSocket) in a second process and ``stepd.AsyncClient(url)`` in this
+one, and only the counted runs are instrumented (``callgrind_control -i
+on``/``off`` around them, then ``--dump``): one count, divided by its steps.
+Workload A only (B's timing under a 50x slower daemon is not B).
+
 Needs valgrind (``apt-get install valgrind``); ~1 minute on two cores.
 """
 
@@ -29,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 STEPS = 20
@@ -128,6 +136,60 @@ def count(workload: str, runs: int, tmp: Path, tag: str) -> subprocess.Popen[byt
                             cwd=Path(__file__).resolve().parents[1])
 
 
+def control(what: str, pid: int) -> None:
+    """``callgrind_control`` on the counted daemon; it answers once the daemon took it."""
+    subprocess.run(["callgrind_control", what, str(pid)], check=True, capture_output=True,
+                   timeout=300)
+
+
+def websocket_count(runs: int, tmp: Path) -> Path:
+    """The daemon's instructions over `runs` x seq(20) (the module docstring); the dump."""
+    import anyio
+
+    import stepd
+    from bench._procs import Child
+    from bench._workloads import run_seq, warm_up
+
+    out = tmp / "callgrind.daemon"
+    dumps = tmp / "agent-dumps"
+    dumps.mkdir()
+    daemon = Child("daemon", ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                              f"--callgrind-out-file={out}", sys.executable, "-m", "stepd",
+                              "serve", "--data", str(tmp / "data"), "--host", "127.0.0.1",
+                              "--port", "0"], tmp)
+    worker = None
+    try:
+        url = daemon.wait_line(r"stepd listening on (http://\S+) ", 600).group(1)
+        worker = Child("worker", [sys.executable, "-m", "bench._calls_agent", str(dumps),
+                                  "worker", url], tmp)
+        found = worker.wait_line(r"^ready (\S+)", 300)
+        if found.group(1) != "websocket":
+            raise SystemExit(f"instructions: the worker connected over {found.group(1)}")
+
+        async def go() -> None:
+            client = stepd.AsyncClient(url, trust_env=False, timeout=600)
+            try:
+                s = SimpleNamespace(transport="websocket", client=client)
+                await warm_up(s)  # type: ignore[arg-type]  # a client is all run_seq uses
+                control("--instr=on", daemon.pid)
+                for _ in range(runs):
+                    await run_seq(s, STEPS)  # type: ignore[arg-type]
+                control("--instr=off", daemon.pid)
+                control("--dump", daemon.pid)
+            finally:
+                await client.aclose()
+
+        anyio.run(go, backend="asyncio", backend_options={"use_uvloop": True})
+    finally:
+        if worker is not None:
+            worker.stop()
+        daemon.stop(120)
+    dumped = sorted(p for p in tmp.glob("callgrind.daemon.*") if p.suffix[1:].isdigit())
+    if not dumped:
+        raise SystemExit(f"instructions: the daemon left no dump in {tmp}")
+    return dumped[0]
+
+
 def annotate(path: Path) -> tuple[int, dict[str, int]]:
     text = subprocess.run(["callgrind_annotate", "--auto=no", "--threshold=100", str(path)],
                           capture_output=True, text=True, check=True).stdout
@@ -136,6 +198,8 @@ def annotate(path: Path) -> tuple[int, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--setup", choices=("embedded", "websocket"), default="embedded",
+                        help="embedded: the whole process; websocket: `stepd serve` alone")
     parser.add_argument("--workload", choices=("A", "B"), default="A",
                         help="A: seq(20) runs one at a time; B: seq(3) runs started and "
                              "awaited concurrently, as bench's B")
@@ -156,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base is None:
         args.base = 100 if b else 2
     steps = args.runs * (B_STEPS if b else STEPS)
+    if args.setup == "websocket" and b:
+        parser.error("--setup websocket counts workload A only")
     if args.runs < 1 or args.base < 0:
         parser.error("--runs must be >= 1 and --base >= 0")
     for tool in ("valgrind", "callgrind_annotate"):
@@ -165,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepd-instructions-"))
     try:
+        if args.setup == "websocket":
+            total, groups = annotate(websocket_count(args.runs, tmp))
+            found = {"instructions_per_step": round(total / steps),
+                     "by_library": {k: round(v / steps) for k, v in
+                                    sorted(groups.items(), key=lambda kv: -kv[1])}}
+            return report(args, found, steps)
         procs = {"short": count(args.workload, args.base, tmp, "short"),
                  "long": count(args.workload, args.base + args.runs, tmp, "long")}
         for tag, proc in procs.items():  # both run at once, one core each
@@ -179,13 +251,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"instructions: kept {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    return report(args, found, steps)
+
+
+def report(args: argparse.Namespace, found: dict[str, Any], steps: int) -> int:
+    b = args.workload == "B"
     what = (f"B, {args.runs} x seq({B_STEPS}) started and awaited concurrently" if b
             else f"A, {args.runs} x seq({STEPS}) one at a time")
-    print(f"embedded, {what}: {found['instructions_per_step']:,} instructions per step")
+    who = "embedded (the process)" if args.setup == "embedded" else "websocket (the daemon)"
+    print(f"{who}, {what}: {found['instructions_per_step']:,} instructions per step")
     for name, n in found["by_library"].items():
         share = 100 * n / found["instructions_per_step"] if found["instructions_per_step"] else 0.0
         print(f"  {name:<10} {n:>10,}  {share:5.1f} %")
-    print(json.dumps({"bench": "instructions", "setup": "embedded", "workload": args.workload,
+    print(json.dumps({"bench": "instructions", "setup": args.setup, "workload": args.workload,
                       "runs": args.runs, "steps": steps, **found}))
     return 0
 
