@@ -88,6 +88,11 @@ def journal_prefix(run_id: bytes | str) -> bytes:
     Raises:
         ValueError: ``run_id`` contains NUL.
     """
+    if type(run_id) is str:  # `_id_bytes` spelled out for a str (once a run's write)
+        raw = run_id.encode()
+        if _SEP in raw:
+            raise ValueError(f"run_id must not contain NUL: {run_id!r}")
+        return raw + _SEP
     return _id_bytes("run_id", run_id) + _SEP
 
 

@@ -71,6 +71,10 @@ def test_ids_with_nul_are_refused() -> None:
         journal_key("a\x00b", 1)
     with pytest.raises(ValueError, match="NUL"):
         timer_key(1, "a\x00b", "t")
+    for run_id in ("a\x00b", b"a\x00b"):  # a str takes its own path (`journal_prefix`)
+        with pytest.raises(ValueError, match="NUL"):
+            journal_prefix(run_id)
+    assert journal_prefix("ab") == journal_prefix(b"ab") == b"ab\x00"
 
 
 @given(st.lists(st.tuples(u64, ids, st.binary(max_size=10)), min_size=2, max_size=30))
