@@ -18,7 +18,6 @@ import asyncio
 import json
 import json.encoder
 import random
-import string
 import time
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -62,7 +61,6 @@ _running_loop = asyncio._get_running_loop  # None outside asyncio (trio), withou
 _current_tasks: Any = getattr(asyncio.tasks, "_current_tasks", None)
 # `asyncio.current_task()` is a Python function on 3.11; its dict answers in one C call.
 _task_of = _current_tasks.get if isinstance(_current_tasks, dict) else asyncio.current_task
-_SAFE_ID = frozenset(string.ascii_letters + string.digits + "_-.~")
 
 
 def _encode(body: Any) -> bytes:
@@ -99,7 +97,7 @@ def _decode(content: bytes) -> Any:
 
 def lease_path(op: str, lease_id: str) -> str:
     """``/v1/api/steps/{lease}/{op}`` (the id quoted only when it needs it)."""
-    seg = lease_id if _SAFE_ID.issuperset(lease_id) else quote(lease_id, safe="")
+    seg = lease_id if _wire.SAFE_ID.issuperset(lease_id) else quote(lease_id, safe="")
     return f"/v1/api/steps/{seg}/{op}"
 
 
