@@ -232,6 +232,55 @@ async def test_the_protocol_runs_on_either_backend(tmp_path: Path) -> None:
             await client.get_run(run_id)
 
 
+async def test_the_drain_and_the_abort_end_in_process_calls_with_503(tmp_path: Path) -> None:
+    """On either backend (asyncio tracks a call through its task, trio through a cancel
+    scope: transport/inprocess.py): a held result ends with `Unavailable` when the
+    daemon drains, and a start waiting for its commit when the grace period ends."""
+    from stepd.actors.daemon import Daemon
+    from stepd.transport.protocol import Protocol
+
+    from ..daemon.helpers import eventually, writer_held
+
+    async with Daemon.open(str(tmp_path / "data")) as engine:
+        protocol = Protocol(engine)
+        client = InProcess(protocol)
+        name = unique()
+        await client.register({"definitions": [task_def(name, "a")]})
+        run_id = (await client.start_run({"workflow": name, "input": 3}))["run_id"]
+        ended: list[BaseException] = []
+
+        async def held_result() -> None:
+            try:
+                await client.result(run_id, wait_ms=30_000)
+            except Unavailable as exc:
+                ended.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(held_result)
+            await eventually(lambda: protocol.inflight == 1, what="the result held")
+            protocol.begin_drain()
+        assert [str(e) for e in ended] == ["the daemon is shutting down"]
+        assert protocol.inflight == 0
+
+    async with Daemon.open(str(tmp_path / "data2")) as engine:
+        protocol = Protocol(engine)
+        client = InProcess(protocol)
+        await client.register({"definitions": [task_def(name, "a")]})
+        async with writer_held(engine):
+            async def waiting_start() -> None:
+                try:
+                    await client.start_run({"workflow": name, "input": 4})
+                except Unavailable as exc:
+                    ended.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiting_start)
+                await eventually(lambda: protocol.inflight == 1, what="the start waiting")
+                protocol.abort()
+        assert len(ended) == 2 and isinstance(ended[1], Unavailable)
+        assert protocol.inflight == 0
+
+
 def test_a_start_and_its_audit_entry_commit_together(inproc: InProcDaemon) -> None:
     """One synced commit per start: its audit entry is written in the start's transaction.
 
