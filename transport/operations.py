@@ -265,9 +265,7 @@ async def _export(p: Context, r: Request) -> Reply:
 async def _result(p: Context, r: Request) -> Reply:
     d = p.daemon
     wait_ms = query_int(r.query, "wait_ms", 0, minimum=0)
-    view = await d.result(r.target, wait_ms=min(wait_ms, d.config.claim_hold_ms))
-    return Reply(200, {"run_id": view["run_id"], "status": view["status"],
-                       "result": view["result"], "error": view["error"]})
+    return Reply(200, await d.outcome(r.target, wait_ms=min(wait_ms, d.config.claim_hold_ms)))
 
 
 async def _signal(p: Context, r: Request) -> Reply:

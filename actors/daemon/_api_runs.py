@@ -216,11 +216,31 @@ class RunOps(ApiBase):
 
         One status view, built at the end: while waiting, only the stored record's
         status is read (a view costs two reads, a record decode and a machine).
-        The waiter is registered before that read, so an end committed between the
-        read and the wait still wakes it.
+        """
+        return self._view(self._machine(await self._awaited(run_id, wait_ms)))
+
+    async def outcome(self, run_id: str, *, wait_ms: int = 0) -> dict[str, Any]:
+        """`result`, but only what ``GET /runs/{run}/result`` answers: ``run_id``,
+        ``status``, ``result``, ``error``, read off the stored record as they are.
+
+        No status view: a run's result call built one (a record decode into a
+        machine, its timestamps formatted, the forks read) to keep four fields.
+
+        Raises:
+            NotFound: no such run.
+        """
+        raw = await self._awaited(run_id, wait_ms)
+        return {"run_id": raw["run_id"], "status": raw["status"], "result": raw["result"],
+                "error": raw["error"]}
+
+    async def _awaited(self, run_id: str, wait_ms: int) -> dict[str, Any]:
+        """The stored record once the run is terminal, or `wait_ms` passed (at once: 0).
+
+        The waiter is registered before the first read, so an end committed between
+        the read and the wait still wakes it.
         """
         if wait_ms <= 0:
-            return self.status(run_id)
+            return self._record(run_id)
         watch = self.services.watch
         waiter = watch.waiter(run_id)
         try:
@@ -230,7 +250,7 @@ class RunOps(ApiBase):
                 raw = self._record(run_id)
         finally:
             watch.forget(run_id, waiter)
-        return self._view(self._machine(raw))
+        return raw
 
     async def signal(self, run_id: str, name: str, payload: Any = None, *,
                      audit: _audit.AuditEntry | None = None) -> None:

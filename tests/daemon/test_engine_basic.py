@@ -37,6 +37,12 @@ async def test_a_run_goes_end_to_end(tmp_path: Path) -> None:
             stop.set()
         assert result["status"] == "completed", result
         assert result["result"] == 10
+        # What a result call answers (`outcome`, off the stored record): the view's four.
+        assert await engine.outcome(run_id, wait_ms=1) == await engine.outcome(run_id) == {
+            k: result[k] for k in ("run_id", "status", "result", "error")}
+        running, _ = await engine.start_run("seq", None)
+        assert await engine.outcome(running) == {"run_id": running, "status": "running",
+                                                 "result": None, "error": None}
         types = [e["type"] for e in engine.journal(run_id)]
         assert types[0] == "run_started" and types[-1] == "run_completed"
         assert types.count("step_completed") == 5
