@@ -75,8 +75,6 @@ TAIL_S = DEFERRED_S + 0.25
 """After the last result, before the window closes: the last runs' deferred work
 (the heartbeat slots above; lease and run actors stopping) falls inside the window."""
 ACK_S = 15.0
-SDK_CONCURRENCY = 8
-"""stepd.Worker's default concurrency (docs/sdk.md); the embedded worker gets it too."""
 
 
 def log(message: str) -> None:
@@ -176,7 +174,8 @@ async def network_setup(transport: str, tmp: Path, runs: int) -> dict[str, Any]:
 
 
 async def embedded_setup(tmp: Path, runs: int) -> dict[str, Any]:
-    async with _setups.embedded(tmp / "embedded-data", concurrency=SDK_CONCURRENCY) as s:
+    # The worker as a user writes it, `stepd.Worker(client)`: the SDK's default concurrency.
+    async with _setups.embedded(tmp / "embedded-data", concurrency=None) as s:
         result = await measure(s, Window(LOCAL, {}), runs)
     for part in ("busy", "idle"):
         result[part]["process"] = result[part].pop("local")
