@@ -46,6 +46,10 @@ from .session import SessionActor, SessionMemo
 from .timers import TimerActor
 from .work_session import WorkSessionActor
 
+# The lease's restart policy as module names: a lookup on an Enum class costs ~1,400
+# instructions on 3.11 (stepd/sansio/lease.py says why); one a step here.
+_TRANSIENT = Restart.TRANSIENT
+
 __all__ = ["CHILD_INTENSITY", "ROOT_INTENSITY", "build_tree"]
 
 #: Crashes (not kills) of run, lease or session actors in 10 s before their supervisor escalates.
@@ -69,26 +73,26 @@ def build_tree(s: Services, load_workers: Callable[[], list[WorkerInfo]]) -> Sup
             return RunActor(s, run_id, init, restarted=restarted,
                             expect_message=expect_message and not restarted)
 
-        return ChildSpec(run_id, start, restart=Restart.TRANSIENT)
+        return ChildSpec(run_id, start, restart=_TRANSIENT)
 
     def lease_spec(record: Any, fresh: bool) -> ChildSpec:
         # Nothing per lease beyond the spec: what its incarnations hand on is
         # `s.lease_touched` (lease.py), across rebuilds from new specs too.
         return ChildSpec(record.lease_id, lambda: LeaseActor(s, record, fresh=fresh),
-                         restart=Restart.TRANSIENT)
+                         restart=_TRANSIENT)
 
     def session_spec(worker_id: str) -> ChildSpec:
         memo = SessionMemo()
         return ChildSpec(worker_id, lambda: SessionActor(s, worker_id, memo),
-                         restart=Restart.TRANSIENT)
+                         restart=_TRANSIENT)
 
     def work_session_spec(session_id: str) -> ChildSpec:
         return ChildSpec(session_id, lambda: WorkSessionActor(s, session_id),
-                         restart=Restart.TRANSIENT)
+                         restart=_TRANSIENT)
 
     def schedule_spec(schedule_id: str) -> ChildSpec:
         return ChildSpec(schedule_id, lambda: ScheduleActor(s, schedule_id),
-                         restart=Restart.TRANSIENT)
+                         restart=_TRANSIENT)
 
     s.run_spec = run_spec
     s.work_session_spec = work_session_spec

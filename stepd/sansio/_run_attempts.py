@@ -50,6 +50,13 @@ from .sticky import (
     start_tracking,
 )
 
+# Slot phases as module names: a lookup on an Enum class costs ~1,400
+# instructions on 3.11 (stepd/sansio/lease.py says why); ~5 a step here.
+_QUEUED = SlotPhase.QUEUED
+_OFFERED = SlotPhase.OFFERED
+_STARTED = SlotPhase.STARTED
+_DONE = SlotPhase.DONE
+
 __all__ = ["_RunAttempts"]
 
 
@@ -60,7 +67,7 @@ class _RunAttempts(_RunLocal):
 
     def _on_offered(self, ev: AttemptOffered, now: int) -> Transition:
         f, slot = self._slot(ev.step_id, ev.item_index)
-        if slot.phase is not SlotPhase.QUEUED:
+        if slot.phase is not _QUEUED:
             raise Fenced(f"slot {slot_key(ev.step_id, ev.item_index)} is {slot.phase.value}, not queued")
         if ev.worker_id in slot.excluded:
             # PROTOCOL.md "Unservable": never offered again to a worker that said it
@@ -77,7 +84,7 @@ class _RunAttempts(_RunLocal):
         fence = self.record.fences.get(key, 0) + 1
         self.record.fences[key] = fence
         slot.fence = fence
-        slot.phase = SlotPhase.OFFERED
+        slot.phase = _OFFERED
         slot.lease_id = ev.lease_id
         slot.worker_id = ev.worker_id
         self._journal(
@@ -163,10 +170,10 @@ class _RunAttempts(_RunLocal):
     def _on_started(self, ev: AttemptStarted, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
         tr = Transition()
-        if slot.phase is SlotPhase.STARTED:
+        if slot.phase is _STARTED:
             return tr  # a repeated `started` changes nothing
         step = self.definition.step(f.step_id)
-        slot.phase = SlotPhase.STARTED
+        slot.phase = _STARTED
         if TYPE_CHECKING:  # a slot's step (no isinstance per attempt)
             assert isinstance(step, (TaskStep, ForEachStep))
         timeout = step.timeout_ms
@@ -224,7 +231,7 @@ class _RunAttempts(_RunLocal):
             worker_id=slot.worker_id, usage=ev.usage or None,
             spans=list(ev.spans) if ev.spans else None,
         )
-        slot.phase = SlotPhase.DONE
+        slot.phase = _DONE
         if is_task:
             if TYPE_CHECKING:  # narrowed for the type checker (no isinstance per step)
                 assert isinstance(step, TaskStep)
@@ -334,7 +341,7 @@ class _RunAttempts(_RunLocal):
 
     def _on_released(self, ev: AttemptReleased, now: int) -> Transition:
         f, slot = self._live_slot(ev.step_id, ev.item_index, ev.fence)
-        if slot.phase is not SlotPhase.OFFERED:
+        if slot.phase is not _OFFERED:
             raise Fenced(f"lease {slot.lease_id} has started: it cannot be released")
         step = self.definition.step(f.step_id)
         tr = Transition()
