@@ -231,21 +231,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     tmp = Path(tempfile.mkdtemp(prefix="stepd-instructions-"))
     try:
-        if args.setup == "websocket":
-            total, groups = annotate(websocket_count(args.runs, tmp))
-            found = {"instructions_per_step": round(total / steps),
-                     "by_library": {k: round(v / steps) for k, v in
-                                    sorted(groups.items(), key=lambda kv: -kv[1])}}
-            return report(args, found, steps)
-        procs = {"short": count(args.workload, args.base, tmp, "short"),
-                 "long": count(args.workload, args.base + args.runs, tmp, "long")}
-        for tag, proc in procs.items():  # both run at once, one core each
-            if proc.wait() != 0:
-                log = (tmp / f"valgrind.{tag}.log").read_text(errors="replace")
-                print(f"instructions: the {tag} count failed:\n{log[-3000:]}", file=sys.stderr)
-                return 1
-        found = per_step(annotate(tmp / "callgrind.short"), annotate(tmp / "callgrind.long"),
-                         steps)
+        if args.setup == "websocket":  # one count of the window alone: nothing to subtract
+            found = per_step((0, {}), annotate(websocket_count(args.runs, tmp)), steps)
+        else:
+            procs = {"short": count(args.workload, args.base, tmp, "short"),
+                     "long": count(args.workload, args.base + args.runs, tmp, "long")}
+            for tag, proc in procs.items():  # both run at once, one core each
+                if proc.wait() != 0:
+                    log = (tmp / f"valgrind.{tag}.log").read_text(errors="replace")
+                    print(f"instructions: the {tag} count failed:\n{log[-3000:]}",
+                          file=sys.stderr)
+                    return 1
+            found = per_step(annotate(tmp / "callgrind.short"),
+                             annotate(tmp / "callgrind.long"), steps)
     finally:
         if args.keep:
             print(f"instructions: kept {tmp}", file=sys.stderr)

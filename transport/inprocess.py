@@ -79,16 +79,16 @@ class InProcess:
         query: dict[str, Any] | None = None,
         body: Any = NO_BODY,
     ) -> dict[str, Any]:
+        protocol = self.protocol
         try:
-            principal = self.protocol.authorize(op, self.authorization)
+            principal = protocol.authorize(op, self.authorization)
         except Forbidden as exc:
-            await self.protocol.refused(op, exc, target)  # audited, as over HTTP
+            await protocol.refused(op, exc, target)  # audited, as over HTTP
             raise
         if body is not NO_BODY:
             body = copy_in(body)
         if query:
             query = {k: v for k, v in query.items() if v is not None}
-        protocol = self.protocol
         on_asyncio = self._on_asyncio
         if on_asyncio is None:
             on_asyncio = self._on_asyncio = sniffio.current_async_library() == "asyncio"

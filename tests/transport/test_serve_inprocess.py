@@ -249,14 +249,14 @@ async def test_the_drain_and_the_abort_end_in_process_calls_with_503(tmp_path: P
         run_id = (await client.start_run({"workflow": name, "input": 3}))["run_id"]
         ended: list[BaseException] = []
 
-        async def held_result() -> None:
+        async def ends_unavailable(call: Awaitable[Any]) -> None:
             try:
-                await client.result(run_id, wait_ms=30_000)
+                await call
             except Unavailable as exc:
                 ended.append(exc)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(held_result)
+            tg.start_soon(ends_unavailable, client.result(run_id, wait_ms=30_000))
             await eventually(lambda: protocol.inflight == 1, what="the result held")
             protocol.begin_drain()
         assert [str(e) for e in ended] == ["the daemon is shutting down"]
@@ -266,17 +266,10 @@ async def test_the_drain_and_the_abort_end_in_process_calls_with_503(tmp_path: P
         protocol = Protocol(engine)
         client = InProcess(protocol)
         await client.register({"definitions": [task_def(name, "a")]})
-        async with writer_held(engine):
-            async def waiting_start() -> None:
-                try:
-                    await client.start_run({"workflow": name, "input": 4})
-                except Unavailable as exc:
-                    ended.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(waiting_start)
-                await eventually(lambda: protocol.inflight == 1, what="the start waiting")
-                protocol.abort()
+        async with writer_held(engine), anyio.create_task_group() as tg:
+            tg.start_soon(ends_unavailable, client.start_run({"workflow": name, "input": 4}))
+            await eventually(lambda: protocol.inflight == 1, what="the start waiting")
+            protocol.abort()
         assert len(ended) == 2 and isinstance(ended[1], Unavailable)
         assert protocol.inflight == 0
 
